@@ -1,0 +1,33 @@
+"""Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s lint`, `nox -s bench`."""
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests", "lint"]
+
+SIMULATED = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-m", "not slow", *session.posargs, env=SIMULATED)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check, ruff format --check and pyright on src/."""
+    session.install("-e", ".[dev]")
+    session.run("ruff", "check", "src", "tests", "scripts", "examples", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "scripts", "examples", "noxfile.py")
+    session.run("pyright", "src")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks in scripts/: each prints a table and writes JSON under bench-results/."""
+    session.install("-e", ".")
+    for script in ["bench_comm.py"]:
+        session.run("python", f"scripts/{script}", *session.posargs, env=SIMULATED)

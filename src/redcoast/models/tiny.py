@@ -1,0 +1,210 @@
+"""Small reference architectures: the shapes that tests and benchmarks split.
+
+Each stands for a family the sharding rules must get right:
+
+- `TinyGPT`: `eqx.nn.MultiheadAttention` + GELU MLP, learned positions, tied head.
+- `TinyLlama`: separate Q/K/V/O Linears with grouped-query heads, RMSNorm, RoPE,
+  and a SwiGLU MLP whose fields are declared down, gate, up.
+- `TinyGPTJ`: GPT-J's parallel block, attention and MLP reading the same input.
+- `DeepMLP`: a plain stack of Linear layers.
+
+All are called on one unbatched input and batched with `jax.vmap`.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .layers import MLP, Attention, SwiGLU
+
+
+class GPTBlock(eqx.Module):
+    """Pre-LN block: `x + attn(ln(x))`, then `x + mlp(ln(x))`, with `eqx.nn.MultiheadAttention`."""
+
+    ln1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    ln2: eqx.nn.LayerNorm
+    mlp: MLP
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, hidden: int, heads: int, *, dropout: float = 0.0, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.ln1 = eqx.nn.LayerNorm(hidden)
+        self.attn = eqx.nn.MultiheadAttention(heads, hidden, use_query_bias=True,
+                                              use_key_bias=True, use_value_bias=True,
+                                              use_output_bias=True, key=ka)
+        self.ln2 = eqx.nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, 4 * hidden, key=km)
+        self.dropout = eqx.nn.Dropout(dropout)
+
+    def __call__(
+        self, x: Float[Array, "seq hidden"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq hidden"]:
+        seq = x.shape[0]
+        k1, k2 = (None, None) if key is None else jax.random.split(key)
+        h = jax.vmap(self.ln1)(x)
+        mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        x = x + self.dropout(self.attn(h, h, h, mask=mask), key=k1)
+        return x + self.dropout(self.mlp(jax.vmap(self.ln2)(x)), key=k2)
+
+
+class TinyGPT(eqx.Module):
+    """A GPT-2-shaped language model: token and position embeddings, tied output head."""
+
+    embed: eqx.nn.Embedding
+    pos_embed: eqx.nn.Embedding
+    blocks: tuple[GPTBlock, ...]
+    ln_f: eqx.nn.LayerNorm
+
+    def __init__(
+        self,
+        vocab: int = 64,
+        hidden: int = 32,
+        layers: int = 2,
+        heads: int = 4,
+        max_len: int = 32,
+        *,
+        dropout: float = 0.0,
+        key: PRNGKeyArray,
+    ):
+        keys = jax.random.split(key, layers + 2)
+        self.embed = eqx.nn.Embedding(vocab, hidden, key=keys[0])
+        self.pos_embed = eqx.nn.Embedding(max_len, hidden, key=keys[1])
+        self.blocks = tuple(GPTBlock(hidden, heads, dropout=dropout, key=k) for k in keys[2:])
+        self.ln_f = eqx.nn.LayerNorm(hidden)
+
+    def __call__(
+        self, ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq vocab"]:
+        x = jax.vmap(self.embed)(ids) + jax.vmap(self.pos_embed)(jnp.arange(ids.shape[0]))
+        keys = [None] * len(self.blocks) if key is None else list(jax.random.split(key, len(self.blocks)))
+        for block, k in zip(self.blocks, keys, strict=True):
+            x = block(x, key=k)
+        return jax.vmap(self.ln_f)(x) @ self.embed.weight.T
+
+
+class LlamaBlock(eqx.Module):
+    """Pre-RMSNorm block with grouped-query attention, RoPE and SwiGLU."""
+
+    input_norm: eqx.nn.RMSNorm
+    attn: Attention
+    post_norm: eqx.nn.RMSNorm
+    mlp: SwiGLU
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        head_dim = hidden // heads
+        self.input_norm = eqx.nn.RMSNorm(hidden, use_bias=False)
+        self.attn = Attention(hidden, heads, num_kv_heads=kv_heads, rotary_dim=head_dim, key=ka)
+        self.post_norm = eqx.nn.RMSNorm(hidden, use_bias=False)
+        self.mlp = SwiGLU(hidden, ffn, key=km)
+
+    def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
+        x = x + self.attn(jax.vmap(self.input_norm)(x))
+        return x + self.mlp(jax.vmap(self.post_norm)(x))
+
+
+class TinyLlama(eqx.Module):
+    """A LLaMA-shaped language model with an untied output head."""
+
+    embed: eqx.nn.Embedding
+    blocks: tuple[LlamaBlock, ...]
+    norm: eqx.nn.RMSNorm
+    lm_head: eqx.nn.Linear
+
+    def __init__(
+        self,
+        vocab: int = 64,
+        hidden: int = 32,
+        layers: int = 2,
+        heads: int = 4,
+        kv_heads: int = 2,
+        ffn: int = 64,
+        *,
+        key: PRNGKeyArray,
+    ):
+        keys = jax.random.split(key, layers + 2)
+        self.embed = eqx.nn.Embedding(vocab, hidden, key=keys[0])
+        self.blocks = tuple(LlamaBlock(hidden, heads, kv_heads, ffn, key=k) for k in keys[2:])
+        self.norm = eqx.nn.RMSNorm(hidden, use_bias=False)
+        self.lm_head = eqx.nn.Linear(hidden, vocab, use_bias=False, key=keys[1])
+
+    def __call__(
+        self, ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq vocab"]:
+        del key
+        x = jax.vmap(self.embed)(ids)
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.lm_head)(jax.vmap(self.norm)(x))
+
+
+class GPTJBlock(eqx.Module):
+    """GPT-J's parallel block: `x + attn(ln(x)) + mlp(ln(x))`, partial rotary."""
+
+    ln: eqx.nn.LayerNorm
+    attn: Attention
+    mlp: MLP
+
+    def __init__(self, hidden: int, heads: int, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.ln = eqx.nn.LayerNorm(hidden)
+        head_dim = hidden // heads
+        self.attn = Attention(hidden, heads, rotary_dim=head_dim // 2, rope_interleaved=True,
+                              out_bias=False, key=ka)
+        self.mlp = MLP(hidden, 4 * hidden, key=km)
+
+    def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
+        h = jax.vmap(self.ln)(x)
+        return x + self.attn(h) + self.mlp(h)
+
+
+class TinyGPTJ(eqx.Module):
+    """A GPT-J-shaped language model with an untied, biased output head."""
+
+    embed: eqx.nn.Embedding
+    blocks: tuple[GPTJBlock, ...]
+    ln_f: eqx.nn.LayerNorm
+    lm_head: eqx.nn.Linear
+
+    def __init__(
+        self, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, *,
+        key: PRNGKeyArray,
+    ):
+        keys = jax.random.split(key, layers + 2)
+        self.embed = eqx.nn.Embedding(vocab, hidden, key=keys[0])
+        self.blocks = tuple(GPTJBlock(hidden, heads, key=k) for k in keys[2:])
+        self.ln_f = eqx.nn.LayerNorm(hidden)
+        self.lm_head = eqx.nn.Linear(hidden, vocab, key=keys[1])
+
+    def __call__(
+        self, ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq vocab"]:
+        del key
+        x = jax.vmap(self.embed)(ids)
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.lm_head)(jax.vmap(self.ln_f)(x))
+
+
+class DeepMLP(eqx.Module):
+    """A stack of Linear layers with ReLU between them."""
+
+    layers: tuple[eqx.nn.Linear, ...]
+
+    def __init__(self, sizes: tuple[int, ...] = (64, 128, 128, 128, 128, 16), *, key: PRNGKeyArray):
+        keys = jax.random.split(key, len(sizes) - 1)
+        self.layers = tuple(
+            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys, strict=True)
+        )
+
+    def __call__(
+        self, x: Float[Array, " features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " out"]:
+        del key
+        for layer in self.layers[:-1]:
+            x = jax.nn.relu(layer(x))
+        return self.layers[-1](x)
