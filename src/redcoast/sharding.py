@@ -130,7 +130,7 @@ def _spec_str(spec: P) -> str:
     return "P(" + ", ".join(repr(e) for e in spec) + ")"
 
 
-def _fmt_bytes(n: float) -> str:
+def _fmt_bytes(n: int | float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

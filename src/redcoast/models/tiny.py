@@ -16,8 +16,10 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from ..mesh import MODEL
 from .layers import MLP, Attention, SwiGLU
 
 
@@ -208,3 +210,48 @@ class DeepMLP(eqx.Module):
         for layer in self.layers[:-1]:
             x = jax.nn.relu(layer(x))
         return self.layers[-1](x)
+
+
+_COLUMN = ("query_proj", "key_proj", "value_proj", "q_proj", "k_proj", "v_proj", "fc_in",
+           "gate_proj", "up_proj", "lm_head")
+_ROW = ("output_proj", "o_proj", "fc_out", "down_proj")
+
+
+def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
+    """The layout Megatron-LM (Shoeybi et al. 2019) uses, written out by hand for these models.
+
+    Column-parallel Q/K/V, MLP input and output head (bias split with them), row-parallel
+    O and MLP output, a vocabulary-parallel token embedding, and everything else
+    replicated; K/V whose heads do not divide the shards are replicated (Megatron's
+    grouped-query attention with fewer groups than shards). `DeepMLP` alternates
+    column, row, column, ... The reference the sharding rules are checked against.
+    """
+    kv_heads = {}
+    for block in getattr(model, "blocks", ()):
+        attn = block.attn
+        heads = getattr(attn, "num_kv_heads", None) or attn.num_heads
+        kv_heads = {"k_proj": heads, "v_proj": heads, "key_proj": heads, "value_proj": heads}
+    q_heads = {}
+    for block in getattr(model, "blocks", ()):
+        q_heads = {"q_proj": block.attn.num_heads, "query_proj": block.attn.num_heads}
+
+    def spec(path: tuple, leaf: Array) -> P:
+        names = [str(getattr(k, "name", getattr(k, "idx", k))) for k in path]
+        owner, kind = names[-2], names[-1]
+        if isinstance(model, DeepMLP):
+            column = int(names[1]) % 2 == 0
+            if kind == "weight":
+                return P(MODEL, None) if column else P(None, MODEL)
+            return P(MODEL) if column else P()
+        if names == ["embed", "weight"]:
+            return P(MODEL, None)
+        heads = {**kv_heads, **q_heads}.get(owner)
+        if heads is not None and heads % n_model_shards:
+            return P()
+        if owner in _COLUMN:
+            return P(MODEL, None) if kind == "weight" else P(MODEL)
+        if owner in _ROW and kind == "weight":
+            return P(None, MODEL)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, eqx.filter(model, eqx.is_array))

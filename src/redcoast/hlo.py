@@ -1,0 +1,168 @@
+"""Collectives in a compiled program: what moves over which mesh axis, and how much.
+
+XLA's SPMD partitioner inserts the collectives a sharding needs; reading them back
+out of `compiled.as_text()` is how a layout is checked against Megatron-LM's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+
+import numpy as np
+from jax.sharding import Mesh
+
+__all__ = ["Collective", "collectives", "summarize", "weight_all_gathers"]
+
+_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_INSTR = re.compile(r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[sufc]\d+|bf16|f8\w*)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program.
+
+    Attributes:
+        op: `all-reduce`, `all-gather`, `reduce-scatter`, `all-to-all` or `collective-permute`.
+        axis: the mesh axis its groups span: `"data"`, `"model"`, `"both"`, or `"none"`
+            for groups of one device.
+        nbytes: bytes of its result on one device.
+        shape: the result type as XLA prints it.
+        source: the JAX operation it came from (XLA's `op_name` metadata).
+    """
+
+    op: str
+    axis: str
+    nbytes: int
+    shape: str
+    source: str
+
+    @property
+    def dims(self) -> list[tuple[int, ...]]:
+        """The dimensions of each array in the result."""
+        return [tuple(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(self.shape)]
+
+
+def _dtype_bytes(name: str) -> float:
+    if name in _BITS:
+        return _BITS[name] / 8
+    digits = re.sub(r"\D", "", name) or "8"
+    return int(digits) / 8
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        size = math.prod(int(d) for d in dims.split(",") if d)
+        total += size * _dtype_bytes(dtype)
+    return int(total)
+
+
+def _groups(line: str, n_devices: int) -> list[list[int]]:
+    """The device groups of one instruction, in logical (flattened mesh) ids."""
+    match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if match:
+        axes = re.findall(r"'([^']+)'=(\d+)", match.group(1))
+        names = [a for a, _ in axes]
+        dims = [int(d) for _, d in axes]
+        over = {a.strip().strip("'") for a in match.group(2).split(",") if a.strip()}
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        moved = [i for i, a in enumerate(names) if a in over]
+        kept = [i for i, a in enumerate(names) if a not in over]
+        arranged = ids.transpose(kept + moved)
+        size = math.prod(dims[i] for i in moved)
+        return arranged.reshape(-1, size).tolist()
+    match = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if match:
+        shape = [int(d) for d in match.group(1).split(",")]
+        dims = [int(d) for d in match.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if match.group(3):
+            ids = ids.transpose([int(p) for p in match.group(3).split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    match = re.search(r"replica_groups=\{(\{[\d,{}\s]*\})\}", line)
+    if match:
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", match.group(1))]
+    match = re.search(r"source_target_pairs=\{([^=]*)\}", line)
+    if match:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", match.group(1))]
+    return [list(range(n_devices))]
+
+
+def _axis(groups: list[list[int]], n_model: int) -> str:
+    spans_model = spans_data = False
+    for group in groups:
+        rows = {i // n_model for i in group}
+        cols = {i % n_model for i in group}
+        spans_model |= len(cols) > 1
+        spans_data |= len(rows) > 1
+    if spans_model and spans_data:
+        return "both"
+    return "model" if spans_model else "data" if spans_data else "none"
+
+
+def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
+    """Every collective in a compiled program's HLO text, with the mesh axis it runs over.
+
+    Args:
+        hlo_text: `jax.jit(f).lower(...).compile().as_text()`.
+        mesh: the `("data", "model")` mesh the program was compiled for.
+
+    Returns:
+        One `Collective` per instruction, in program order. Collectives inside loops are
+        listed once.
+
+    Example:
+        >>> text = jax.jit(step).lower(model, batch).compile().as_text()
+        >>> summarize(collectives(text, mesh))
+    """
+    n_devices = int(mesh.devices.size)
+    n_model = int(mesh.shape.get("model", 1))
+    found = []
+    for line in hlo_text.splitlines():
+        match = _INSTR.search(line)
+        if match is None:
+            continue
+        source = re.search(r'op_name="([^"]*)"', line)
+        found.append(
+            Collective(
+                op=match.group("op"),
+                axis=_axis(_groups(line, n_devices), n_model),
+                nbytes=_shape_bytes(match.group("shape")),
+                shape=match.group("shape"),
+                source=source.group(1) if source else "",
+            )
+        )
+    return found
+
+
+def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
+    """Bytes and counts per axis and per operation: `{"model": {"bytes": .., "all-reduce": ..}}`."""
+    out: dict[str, Counter[str]] = {}
+    for c in found:
+        entry = out.setdefault(c.axis, Counter())
+        entry["bytes"] += c.nbytes
+        entry[c.op] += 1
+    return {axis: dict(counts) for axis, counts in out.items()}
+
+
+def weight_all_gathers(found: list[Collective], split_shapes: list[tuple[int, ...]]) -> list[Collective]:
+    """All-gathers over the model axis that rebuild a whole split weight.
+
+    A good tensor-parallel layout never needs these: each device computes with its own
+    slice of every weight. Gathering a replicated weight's gradient is not counted.
+
+    Args:
+        found: from `collectives`.
+        split_shapes: the full shapes of the weights that the layout splits.
+    """
+    wanted = set(split_shapes)
+    return [
+        c
+        for c in found
+        if c.op == "all-gather" and c.axis in ("model", "both") and any(d in wanted for d in c.dims)
+    ]
