@@ -55,7 +55,9 @@ def normalise(spec: P, ndim: int) -> tuple:
 
 
 def assert_same_layout(model: eqx.Module, got: object, want: object) -> None:
-    arrays = paths_and_specs(jax.tree_util.tree_map(lambda a: a.ndim, eqx.filter(model, eqx.is_array)))
+    arrays = paths_and_specs(
+        jax.tree_util.tree_map(lambda a: a.ndim, eqx.filter(model, eqx.is_array))
+    )
     got_, want_ = paths_and_specs(got), paths_and_specs(want)
     assert got_.keys() == want_.keys()
     wrong = {
@@ -241,9 +243,7 @@ def test_shard_places_every_leaf_with_its_spec() -> None:
     mesh = rc.make_mesh(4)
     specs = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(IDS))
     sharded = rc.shard(model, mesh, specs)
-    for leaf, spec in zip(
-        leaves(eqx.filter(sharded, eqx.is_array)), leaves(specs), strict=True
-    ):
+    for leaf, spec in zip(leaves(eqx.filter(sharded, eqx.is_array)), leaves(specs), strict=True):
         assert isinstance(leaf, jax.Array)
         assert leaf.sharding == NamedSharding(mesh, spec)
     # the static parts are untouched
@@ -272,7 +272,9 @@ def test_report_names_every_leaf_and_the_bytes() -> None:
 def test_overrides_win_and_typos_are_caught() -> None:
     model = MODELS["gpt"]()
     plan = rc.sharding_plan(
-        model, 4, example_call=lambda m: jax.vmap(m)(IDS),
+        model,
+        4,
+        example_call=lambda m: jax.vmap(m)(IDS),
         overrides={"blocks.*.mlp.fc_in.weight": P(None, "model")},
     )
     specs = paths_and_specs(plan.specs)
@@ -302,7 +304,9 @@ def test_a_spec_tree_that_does_not_match_is_an_error() -> None:
 def test_bad_specs_are_errors_naming_the_leaf() -> None:
     model = MODELS["mlp"]()
     specs = jax.tree_util.tree_map(lambda _: P(), eqx.filter(model, eqx.is_array))
-    bad = eqx.tree_at(lambda s: s.layers[0].weight, specs, P("modle"), is_leaf=lambda x: isinstance(x, P))
+    bad = eqx.tree_at(
+        lambda s: s.layers[0].weight, specs, P("modle"), is_leaf=lambda x: isinstance(x, P)
+    )
     with pytest.raises(ValueError, match=r"layers.0.weight.*names axis 'modle'"):
         rc.shard(model, rc.make_mesh(2), bad)
 
@@ -336,5 +340,5 @@ def test_example_call_that_raises_is_a_clear_error() -> None:
 
 def test_shapes_are_checked_at_the_model_boundary() -> None:
     model = MODELS["gpt"]()
-    with pytest.raises(Exception, match="(?i)type-check|shape|dimension"):
+    with pytest.raises(Exception, match=r"(?i)type-check|shape|dimension"):
         model(jnp.zeros((2, SEQ), jnp.int32))  # a batch where one sequence is expected

@@ -44,7 +44,9 @@ class Collective:
     @property
     def dims(self) -> list[tuple[int, ...]]:
         """The dimensions of each array in the result."""
-        return [tuple(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(self.shape)]
+        return [
+            tuple(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(self.shape)
+        ]
 
 
 def _dtype_bytes(name: str) -> float:
@@ -86,7 +88,10 @@ def _groups(line: str, n_devices: int) -> list[list[int]]:
         return ids.reshape(shape[0], -1).tolist()
     match = re.search(r"replica_groups=\{(\{[\d,{}\s]*\})\}", line)
     if match:
-        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", match.group(1))]
+        return [
+            [int(x) for x in g.split(",") if x.strip()]
+            for g in re.findall(r"\{([\d,\s]*)\}", match.group(1))
+        ]
     match = re.search(r"source_target_pairs=\{([^=]*)\}", line)
     if match:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", match.group(1))]
@@ -150,7 +155,9 @@ def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
     return {axis: dict(counts) for axis, counts in out.items()}
 
 
-def weight_all_gathers(found: list[Collective], split_shapes: list[tuple[int, ...]]) -> list[Collective]:
+def weight_all_gathers(
+    found: list[Collective], split_shapes: list[tuple[int, ...]]
+) -> list[Collective]:
     """All-gathers over the model axis that rebuild a whole split weight.
 
     A good tensor-parallel layout never needs these: each device computes with its own

@@ -1,6 +1,7 @@
 """The device mesh: a ("data", "model") grid over every device of every process."""
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -14,7 +15,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def make_mesh(n_model_shards: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(n_model_shards: int = 1, *, devices: Sequence[Any] | None = None) -> Mesh:
     """Build the 2-D mesh `("data", "model")` used by every redcoast function.
 
     Data parallelism runs over the `"data"` axis and tensor parallelism over

@@ -35,7 +35,14 @@ from jaxtyping import PyTree
 
 from .mesh import MODEL
 
-__all__ = ["LeafPlan", "ShardingPlan", "shard", "sharding_plan", "sharding_report", "sharding_rules"]
+__all__ = [
+    "LeafPlan",
+    "ShardingPlan",
+    "shard",
+    "sharding_plan",
+    "sharding_report",
+    "sharding_rules",
+]
 
 COL, ROW, REP = "column", "row", "replicated"
 
@@ -102,7 +109,9 @@ class ShardingPlan:
         return sum(leaf.nbytes for leaf in self.leaves if not _is_split(leaf.spec))
 
     def __str__(self) -> str:
-        rows = [(leaf.path, str(leaf.shape), _spec_str(leaf.spec), leaf.reason) for leaf in self.leaves]
+        rows = [
+            (leaf.path, str(leaf.shape), _spec_str(leaf.spec), leaf.reason) for leaf in self.leaves
+        ]
         heads = ("path", "shape", "spec", "why")
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads[:3])]
         lines = [
@@ -110,7 +119,9 @@ class ShardingPlan:
             "  ".join(h.ljust(w) for h, w in zip(heads[:3], widths, strict=True)) + "  why",
         ]
         for row in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3])
+            lines.append(
+                "  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3]
+            )
         total = self.total_bytes
         rep = self.replicated_bytes
         lines.append(
@@ -261,7 +272,9 @@ class _Use:
     taint: set[int]
 
 
-def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...], axis: int) -> tuple[int, int] | None:
+def _reshape_groups(
+    src: tuple[int, ...], dst: tuple[int, ...], axis: int
+) -> tuple[int, int] | None:
     """The dst axes [i, j) holding exactly src axis `axis` after a row-major reshape."""
     pre = math.prod(src[:axis])
     end = pre * src[axis]
@@ -338,7 +351,9 @@ class _Flow:
             outs: list[_V] | None = None
             for branch in params["branches"]:
                 res = self._sub(branch, ins[1:])
-                outs = res if outs is None else [_join(a, b) for a, b in zip(outs, res, strict=True)]
+                outs = (
+                    res if outs is None else [_join(a, b) for a, b in zip(outs, res, strict=True)]
+                )
             return outs or [_EMPTY] * n_out
         for key in _CALL_PARAMS:
             sub = params.get(key)
@@ -565,7 +580,8 @@ def _decide(
         dim = shape[out_axis] if want == COL and out_axis is not None else shape[in_axis or 0]
         return dataclasses.replace(
             got,
-            reason=f"{want} split wanted but {dim} does not divide {n}: fell back to {got.kind} ({why})",
+            reason=f"{want} split wanted but {dim} does not divide {n}: "
+            f"fell back to {got.kind} ({why})",
         )
     return _Decision(REP, None, f"no dimension of {shape} divides {n}")
 
@@ -623,13 +639,22 @@ def _plan_dataflow(
     for i in sorted(tables):
         by = flow.lookups.get(i, set())
         if by and not any(by):
-            emb[i] = _Decision(REP, None, "position table (looked up by iota, not by data), as in Megatron-LM")
+            emb[i] = _Decision(
+                REP, None, "position table (looked up by iota, not by data), as in Megatron-LM"
+            )
             continue
         if not by:
             emb[i] = _Decision(REP, None, "embedding not looked up by example_call")
             continue
-        emb[i] = _decide(COL, shapes[i], len(shapes[i]) - 2, len(shapes[i]) - 1, None, n,
-                         "embedding: split on the vocabulary")
+        emb[i] = _decide(
+            COL,
+            shapes[i],
+            len(shapes[i]) - 2,
+            len(shapes[i]) - 1,
+            None,
+            n,
+            "embedding: split on the vocabulary",
+        )
 
     decided: dict[int, _Decision] = dict(emb)
     for _ in range(8):
@@ -662,7 +687,9 @@ def _plan_dataflow(
     else:
         notes.append("the dataflow rules did not settle after 8 passes; the last pass is used")
     for leaf in sorted(flow.conflicts):
-        notes.append(f"{paths[leaf]} is used in matmuls of different orientation; the first one decided")
+        notes.append(
+            f"{paths[leaf]} is used in matmuls of different orientation; the first one decided"
+        )
     return {k: v for k, v in decided.items() if k not in emb}, emb, notes
 
 
@@ -690,8 +717,15 @@ def _plan_declaration(
         decided[i] = d
         last = ROW if d.kind == ROW else COL
     emb = {
-        index[p]: _decide(COL, shapes[index[p]], len(shapes[index[p]]) - 2,
-                          len(shapes[index[p]]) - 1, None, n, "embedding: split on the vocabulary")
+        index[p]: _decide(
+            COL,
+            shapes[index[p]],
+            len(shapes[index[p]]) - 2,
+            len(shapes[index[p]]) - 1,
+            None,
+            n,
+            "embedding: split on the vocabulary",
+        )
         for p in info.embeddings
         if p in index
     }
@@ -772,7 +806,10 @@ def sharding_plan(
         elif path in bias_of and index.get(bias_of[path]) in matmuls:
             wd = matmuls[index[bias_of[path]]]
             if wd.kind == COL:
-                spec, reason = _axis_spec(ndim, ndim - 1), "bias of a column-split Linear: split with it"
+                spec, reason = (
+                    _axis_spec(ndim, ndim - 1),
+                    "bias of a column-split Linear: split with it",
+                )
             else:
                 spec, reason = P(), f"bias of a {wd.kind} Linear: replicated"
         elif path in info.linear_weight:
@@ -835,7 +872,9 @@ def _check_spec(path: str, shape: tuple[int, ...], spec: Any, sizes: Mapping[str
     if not isinstance(spec, P):
         raise TypeError(f"{path}: expected a PartitionSpec, got {type(spec).__name__} ({spec!r}).")
     if len(spec) > len(shape):
-        raise ValueError(f"{path}: spec {_spec_str(spec)} has more entries than the array's shape {shape}.")
+        raise ValueError(
+            f"{path}: spec {_spec_str(spec)} has more entries than the array's shape {shape}."
+        )
     for dim, entry in zip(shape, spec, strict=False):
         if entry is None:
             continue
@@ -844,7 +883,8 @@ def _check_spec(path: str, shape: tuple[int, ...], spec: Any, sizes: Mapping[str
         for name in names:
             if name not in sizes:
                 raise ValueError(
-                    f"{path}: spec {_spec_str(spec)} names axis {name!r}; the mesh has {sorted(sizes)}."
+                    f"{path}: spec {_spec_str(spec)} names axis {name!r}; "
+                    f"the mesh has {sorted(sizes)}."
                 )
             ways *= sizes[name]
         if dim % ways:

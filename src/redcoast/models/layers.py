@@ -6,8 +6,6 @@ Projections are plain `eqx.nn.Linear` layers named like Hugging Face's
 recognises as attention.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable
 
@@ -113,9 +111,8 @@ class Attention(eqx.Module):
         v = jax.vmap(self.v_proj)(x).reshape(seq, self.num_kv_heads, self.head_dim)
         if self.rotary_dim:
             pos = jnp.arange(seq, dtype=jnp.float32) if positions is None else positions
-            opts = dict(rotary_dim=self.rotary_dim, base=self.rope_base,
-                        interleaved=self.rope_interleaved)
-            q, k = rotate(q, pos, **opts), rotate(k, pos, **opts)
+            q = self._rotate(q, pos)
+            k = self._rotate(k, pos)
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k = jnp.repeat(k, group, axis=1)
@@ -126,6 +123,17 @@ class Attention(eqx.Module):
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("hts,shd->thd", weights, v).reshape(seq, self.num_heads * self.head_dim)
         return jax.vmap(self.o_proj)(out)
+
+    def _rotate(
+        self, x: Float[Array, "seq heads head_dim"], positions: Float[Array, " seq"]
+    ) -> Float[Array, "seq heads head_dim"]:
+        return rotate(
+            x,
+            positions,
+            rotary_dim=self.rotary_dim,
+            base=self.rope_base,
+            interleaved=self.rope_interleaved,
+        )
 
 
 class MLP(eqx.Module):

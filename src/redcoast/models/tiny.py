@@ -11,8 +11,6 @@ Each stands for a family the sharding rules must get right:
 All are called on one unbatched input and batched with `jax.vmap`.
 """
 
-from __future__ import annotations
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -35,9 +33,15 @@ class GPTBlock(eqx.Module):
     def __init__(self, hidden: int, heads: int, *, dropout: float = 0.0, key: PRNGKeyArray):
         ka, km = jax.random.split(key)
         self.ln1 = eqx.nn.LayerNorm(hidden)
-        self.attn = eqx.nn.MultiheadAttention(heads, hidden, use_query_bias=True,
-                                              use_key_bias=True, use_value_bias=True,
-                                              use_output_bias=True, key=ka)
+        self.attn = eqx.nn.MultiheadAttention(
+            heads,
+            hidden,
+            use_query_bias=True,
+            use_key_bias=True,
+            use_value_bias=True,
+            use_output_bias=True,
+            key=ka,
+        )
         self.ln2 = eqx.nn.LayerNorm(hidden)
         self.mlp = MLP(hidden, 4 * hidden, key=km)
         self.dropout = eqx.nn.Dropout(dropout)
@@ -82,7 +86,11 @@ class TinyGPT(eqx.Module):
         self, ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "seq vocab"]:
         x = jax.vmap(self.embed)(ids) + jax.vmap(self.pos_embed)(jnp.arange(ids.shape[0]))
-        keys = [None] * len(self.blocks) if key is None else list(jax.random.split(key, len(self.blocks)))
+        keys = (
+            [None] * len(self.blocks)
+            if key is None
+            else list(jax.random.split(key, len(self.blocks)))
+        )
         for block, k in zip(self.blocks, keys, strict=True):
             x = block(x, key=k)
         return jax.vmap(self.ln_f)(x) @ self.embed.weight.T
@@ -155,8 +163,9 @@ class GPTJBlock(eqx.Module):
         ka, km = jax.random.split(key)
         self.ln = eqx.nn.LayerNorm(hidden)
         head_dim = hidden // heads
-        self.attn = Attention(hidden, heads, rotary_dim=head_dim // 2, rope_interleaved=True,
-                              out_bias=False, key=ka)
+        self.attn = Attention(
+            hidden, heads, rotary_dim=head_dim // 2, rope_interleaved=True, out_bias=False, key=ka
+        )
         self.mlp = MLP(hidden, 4 * hidden, key=km)
 
     def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
@@ -173,7 +182,12 @@ class TinyGPTJ(eqx.Module):
     lm_head: eqx.nn.Linear
 
     def __init__(
-        self, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, *,
+        self,
+        vocab: int = 64,
+        hidden: int = 32,
+        layers: int = 2,
+        heads: int = 4,
+        *,
         key: PRNGKeyArray,
     ):
         keys = jax.random.split(key, layers + 2)
@@ -212,8 +226,18 @@ class DeepMLP(eqx.Module):
         return self.layers[-1](x)
 
 
-_COLUMN = ("query_proj", "key_proj", "value_proj", "q_proj", "k_proj", "v_proj", "fc_in",
-           "gate_proj", "up_proj", "lm_head")
+_COLUMN = (
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "fc_in",
+    "gate_proj",
+    "up_proj",
+    "lm_head",
+)
 _ROW = ("output_proj", "o_proj", "fc_out", "down_proj")
 
 

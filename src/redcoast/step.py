@@ -1,0 +1,431 @@
+"""Train, eval and predict steps: the user's callbacks composed into pure, jitted functions.
+
+A step sees the *global* batch. Under `jax.jit` with `Auto` mesh axes the batch is
+sharded `P("data")`, the parameters by their specs, and XLA's partitioner inserts
+the collectives. Random bits drawn from the step key for the global batch shape
+do not depend on how the batch is split over devices (JAX's partitionable
+threefry), so one device, 8x1 and 2x4 meshes see the same dropout masks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from .mesh import DATA, mesh_shape
+
+LossFn = Callable[[Any, Any, PRNGKeyArray], Any]
+"""`(model, batch, key) -> loss` or `(loss, dict_of_scalars)`."""
+PredFn = Callable[[Any, Any, PRNGKeyArray], Any]
+"""`(model, batch, key) -> pytree of arrays with the batch on the leading axis`."""
+TrainStepFn = Callable[[Any, Any, Any, PRNGKeyArray], tuple[Any, Any, dict[str, Array]]]
+"""`(model, opt_state, batch, key) -> (model, opt_state, metrics)`."""
+
+_RESERVED = ("loss", "grad_norm", "lr", "skipped", "weight")
+_T = TypeVar("_T")
+
+
+def _shapes(tree: Any) -> str:
+    """A compact description of a batch for error messages: `{'x': (8, 64), 'y': (8,)}`."""
+    if isinstance(tree, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_shapes(v)}" for k, v in tree.items()) + "}"
+    if hasattr(tree, "shape"):
+        return str(tuple(tree.shape))
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return "{" + ", ".join(f"{jax.tree_util.keystr(p)}: {np.shape(x)}" for p, x in leaves) + "}"
+
+
+def batch_size(batch: Any, *, what: str = "batch") -> int:
+    """The common leading-axis length of every array in `batch`.
+
+    Args:
+        batch: a pytree of arrays (normally the `dict` that `collate_fn` returns).
+        what: how to name the batch in error messages.
+
+    Returns:
+        The batch size.
+
+    Raises:
+        ValueError: if the batch has no arrays, an array is a scalar, or the leading
+            axes differ ("ragged").
+
+    Example:
+        >>> batch_size({"x": np.zeros((8, 3)), "y": np.zeros(8)})
+        8
+    """
+    leaves = jax.tree_util.tree_leaves(batch)
+    if not leaves:
+        raise ValueError(f"{what} holds no arrays: {batch!r}.")
+    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if None in sizes or len(sizes) != 1:
+        raise ValueError(
+            f"{what} must hold arrays that share one leading (batch) axis; got shapes "
+            f"{_shapes(batch)}."
+        )
+    return int(next(iter(sizes)))
+
+
+def _split_loss(out: Any, batch: Any, name: str = "loss_fn") -> tuple[Array, dict[str, Array]]:
+    """Check `loss_fn`'s return value and normalise it to `(float32 scalar, {name: scalar})`."""
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], Mapping):
+            raise TypeError(
+                f"{name} must return a scalar loss or a pair (loss, dict_of_scalars); it "
+                f"returned a tuple of {len(out)} for a batch {_shapes(batch)}."
+            )
+        loss, aux = out
+    else:
+        loss, aux = out, {}
+    if not hasattr(loss, "shape") or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        got = f"shape {tuple(loss.shape)} {loss.dtype}" if hasattr(loss, "shape") else type(loss).__name__
+        raise ValueError(
+            f"{name} must return a scalar floating-point loss (reduce over the batch, e.g. "
+            f".mean()); it returned {got} for a batch {_shapes(batch)}."
+        )
+    clean = {}
+    for k, v in aux.items():
+        if k in _RESERVED:
+            raise ValueError(f"{name}'s aux dict uses the reserved name {k!r}; rename it.")
+        if jnp.shape(v) != ():
+            raise ValueError(
+                f"{name}'s aux dict must hold scalars; {k!r} has shape {tuple(jnp.shape(v))} "
+                f"for a batch {_shapes(batch)}."
+            )
+        clean[str(k)] = jnp.asarray(v, jnp.float32)
+    return loss.astype(jnp.float32), clean
+
+
+def _micro_batches(batch: Any, n: int, mesh: Mesh | None) -> Any:
+    """Split the leading axis into `n` micro-batches, strided so no data moves between devices.
+
+    Row `j * n + i` goes to micro-batch `i`. Each data shard holds a contiguous block
+    of rows, hence an equal share of every micro-batch; a contiguous split would put
+    whole micro-batches on single devices and force an all-to-all.
+    """
+    size = batch_size(batch)
+    n_data = 1 if mesh is None else mesh_shape(mesh)[0]
+    if size % n or (size // n) % n_data:
+        raise ValueError(
+            f"a batch of {size} rows cannot be split into accumulate_grad_batches={n} "
+            f"micro-batches over {n_data} data shard(s): the batch size must be a multiple "
+            f"of {n * n_data}; got a batch {_shapes(batch)}."
+        )
+
+    def split(x: Array) -> Array:
+        y = x.reshape(size // n, n, *x.shape[1:]).swapaxes(0, 1)
+        if mesh is not None:
+            y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, DATA)))
+        return y
+
+    return jax.tree.map(split, batch)
+
+
+def _learning_rate(
+    new_state: Any, old_state: Any, schedule: Callable[[Any], Any] | None
+) -> Array | None:
+    """The learning rate this update used, or None when it cannot be known."""
+    if schedule is not None:
+        counts = [v for _, v in optax.tree_utils.tree_get_all_with_path(old_state, "count")]
+        if not counts:
+            raise ValueError(
+                "schedule= needs the optimizer's step count, but the optimizer state has no "
+                "'count' field; wrap the optimizer with optax.inject_hyperparams instead."
+            )
+        return jnp.asarray(schedule(counts[0]), jnp.float32)
+    # inject_hyperparams stores the value it evaluated for this update in the new state.
+    found = [
+        v
+        for _, v in optax.tree_utils.tree_get_all_with_path(new_state, "learning_rate")
+        if eqx.is_array(v) and jnp.shape(v) == ()
+    ]
+    return jnp.asarray(found[0], jnp.float32) if len(found) == 1 else None
+
+
+def _train_core(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    accumulate_grad_batches: int,
+    mesh: Mesh | None,
+    schedule: Callable[[Any], Any] | None,
+    skip_nonfinite: bool,
+    axis_name: str | None,
+) -> TrainStepFn:
+    """The un-jitted step; `axis_name` set means "inside shard_map, pmean over it"."""
+    n_micro = accumulate_grad_batches
+
+    def step(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        if axis_name is not None:
+            # Varying params make jax.grad return this shard's gradient rather than an
+            # implicit psum, so the pmean below is the one reduction.
+            params = jax.tree.map(lambda p: jax.lax.pcast(p, axis_name, to="varying"), params)
+
+        def objective(p: Any, b: Any, k: Any) -> tuple[Array, dict[str, Array]]:
+            return _split_loss(loss_fn(eqx.combine(p, static), b, k), b)
+
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
+        if n_micro == 1:
+            batch_size(batch)
+            (loss, aux), grads = grad_fn(params, batch, key)
+        else:
+            micro = _micro_batches(batch, n_micro, mesh)
+
+            def body(acc: Any, xs: tuple[Array, Any]) -> tuple[Any, None]:
+                i, b = xs
+                out = grad_fn(params, b, jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, acc, out), None
+
+            first = jax.tree.map(lambda x: x[0], micro)
+            zeros = jax.tree.map(
+                lambda s: jnp.zeros(s.shape, s.dtype),
+                jax.eval_shape(grad_fn, params, first, key),
+            )
+            if axis_name is not None:
+                # The scan carry must have the vma type of the per-shard gradients.
+                zeros = jax.tree.map(lambda z: jax.lax.pcast(z, axis_name, to="varying"), zeros)
+            (loss, aux), grads = jax.tree.map(
+                lambda x: x / n_micro,
+                jax.lax.scan(body, zeros, (jnp.arange(n_micro), micro))[0],
+            )
+        if axis_name is not None:
+            loss, aux, grads = jax.lax.pmean((loss, aux, grads), axis_name)
+            params = eqx.filter(model, eqx.is_inexact_array)
+        grad_norm = optax.tree.norm(grads).astype(jnp.float32)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        lr = _learning_rate(new_opt_state, opt_state, schedule)
+        if lr is not None:
+            metrics["lr"] = lr
+        if skip_nonfinite:
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+            def keep(new: Any, old: Any) -> Any:
+                return jnp.where(ok, new, old) if eqx.is_array(new) else new
+
+            new_params = jax.tree.map(keep, new_params, params)
+            new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+            metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
+        metrics.update(aux)
+        return eqx.combine(new_params, static), new_opt_state, metrics
+
+    return step
+
+
+def _shard_map_step(core: TrainStepFn, mesh: Mesh) -> TrainStepFn:
+    """Run `core` per data shard under `jax.shard_map`, parameters replicated."""
+    n_data, n_model = mesh_shape(mesh)
+    if n_model != 1:
+        raise ValueError(
+            f"data_parallel='shard_map' replicates the model, so it needs a mesh with one "
+            f"model shard; this mesh is {n_data}x{n_model}. Use data_parallel='jit'."
+        )
+
+    def step(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
+        dynamic, static = eqx.partition((model, opt_state), eqx.is_array)
+
+        def local(dyn: Any, b: Any, k: Any) -> tuple[Any, dict[str, Array]]:
+            m, o = eqx.combine(dyn, static)
+            # Each shard draws from its own stream; see train_step's note on randomness.
+            k = jax.random.fold_in(k, jax.lax.axis_index(DATA))
+            m, o, metrics = core(m, o, b, k)
+            return eqx.filter((m, o), eqx.is_array), metrics
+
+        out_dyn, metrics = jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P(DATA), P()), out_specs=(P(), P())
+        )(dynamic, batch, key)
+        new_model, new_opt_state = eqx.combine(out_dyn, static)
+        return new_model, new_opt_state, metrics
+
+    return step
+
+
+def _donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """`eqx.filter_jit` of `fn(model, opt_state, *rest)` donating the model and optimizer state.
+
+    `filter_jit` donates either everything or everything but the first argument, so
+    the non-donated arguments travel first, packed into a tuple.
+    """
+
+    @eqx.filter_jit(donate="all-except-first")
+    def jitted(rest: tuple[Any, ...], model: Any, opt_state: Any) -> _T:
+        return fn(model, opt_state, *rest)
+
+    @functools.wraps(fn)
+    def call(model: Any, opt_state: Any, *rest: Any) -> _T:
+        return jitted(rest, model, opt_state)
+
+    return call
+
+
+def train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    accumulate_grad_batches: int = 1,
+    mesh: Mesh | None = None,
+    data_parallel: Literal["jit", "shard_map"] = "jit",
+    schedule: Callable[[Any], Any] | None = None,
+    skip_nonfinite: bool = False,
+    jit: bool = True,
+) -> TrainStepFn:
+    """Compose `loss_fn` and an optax optimizer into one training step.
+
+    The step is pure: `(model, opt_state, batch, key) -> (model, opt_state, metrics)`,
+    where `opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))` and
+    `batch` is the *global* batch. With `accumulate_grad_batches = n` the batch's
+    leading axis is split into `n` micro-batches (row `j * n + i` into micro-batch
+    `i`, so each device keeps its own rows) and their gradients are averaged inside
+    one `lax.scan`; the optimizer, and its schedule, then count optimizer steps.
+
+    Randomness: `loss_fn` receives `key` itself (or `fold_in(key, i)` for micro-batch
+    `i`), and under `data_parallel="jit"` random bits it draws for the global batch
+    are the same on every mesh layout. Under `"shard_map"` each data shard sees its
+    own rows and `fold_in(key, shard_index)`: numbers equal the jit path exactly
+    when `loss_fn` draws no random bits, and are equal in distribution otherwise.
+
+    Args:
+        loss_fn: `(model, batch, key) -> loss` or `(loss, dict_of_scalars)`; the loss is
+            a floating-point scalar, the mean over the batch.
+        optimizer: any `optax.GradientTransformation`. Wrap it in
+            `optax.inject_hyperparams` to see the learning rate in the metrics.
+        accumulate_grad_batches: number of micro-batches per optimizer step.
+        mesh: the `("data", "model")` mesh. Under `"jit"` it pins each micro-batch to
+            `P(None, "data")`; under `"shard_map"` it is required.
+        data_parallel: `"jit"` (XLA partitions the global step; any mesh) or
+            `"shard_map"` (explicit per-device step and `pmean` of the gradients over
+            `"data"`; the model is replicated, so the mesh needs one model shard).
+        schedule: `count -> learning rate`, evaluated at the optimizer's step count to
+            report `lr` when the optimizer does not expose it.
+        skip_nonfinite: when the loss or gradient norm is not finite, keep the old
+            model and optimizer state and report `skipped = 1`.
+        jit: wrap the step in `eqx.filter_jit`, donating the model and optimizer
+            state (pass fresh ones each call). With `jit=False` the plain function
+            is returned, to compose into your own transformations.
+
+    Returns:
+        The step function. `metrics` holds float32 scalars: `loss` and `grad_norm`
+        (averaged over micro-batches), `lr` when known, `skipped` with
+        `skip_nonfinite`, and the aux scalars `loss_fn` returned.
+
+    Example:
+        >>> step = train_step(loss_fn, optax.adamw(1e-3), accumulate_grad_batches=4)
+        >>> opt_state = optax.adamw(1e-3).init(eqx.filter(model, eqx.is_inexact_array))
+        >>> for i, batch in enumerate(batches):
+        ...     key = jax.random.fold_in(jax.random.key(0), i)
+        ...     model, opt_state, metrics = step(model, opt_state, batch, key)
+    """
+    if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
+        raise TypeError(
+            f"accumulate_grad_batches must be an int, got {type(accumulate_grad_batches).__name__}."
+        )
+    if accumulate_grad_batches < 1:
+        raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}.")
+    if data_parallel not in ("jit", "shard_map"):
+        raise ValueError(f"data_parallel must be 'jit' or 'shard_map', got {data_parallel!r}.")
+    if data_parallel == "shard_map" and mesh is None:
+        raise ValueError("data_parallel='shard_map' needs mesh=make_mesh(1).")
+    core = _train_core(
+        loss_fn,
+        optimizer,
+        accumulate_grad_batches=accumulate_grad_batches,
+        mesh=mesh if data_parallel == "jit" else None,
+        schedule=schedule,
+        skip_nonfinite=skip_nonfinite,
+        axis_name=DATA if data_parallel == "shard_map" else None,
+    )
+    if data_parallel == "shard_map":
+        assert mesh is not None
+        core = _shard_map_step(core, mesh)
+    return _donating_jit(core) if jit else core
+
+
+def _eval_core(loss_fn: LossFn) -> Callable[..., dict[str, Array]]:
+    def step(
+        model: Any, batch: Any, key: Any, weights: Float[Array, " batch"] | None = None
+    ) -> dict[str, Array]:
+        model = eqx.nn.inference_mode(model)
+        size = batch_size(batch)
+
+        def one(example: Any) -> tuple[Array, dict[str, Array]]:
+            single = jax.tree.map(lambda x: x[None], example)
+            return _split_loss(loss_fn(model, single, key), single)
+
+        losses, aux = jax.vmap(one)(batch)
+        w = jnp.ones(size, jnp.float32) if weights is None else weights.astype(jnp.float32)
+        total = w.sum()
+        denom = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
+        out = {"loss": (w * losses).sum() / denom, "weight": total}
+        out.update({k: (w * v).sum() / denom for k, v in aux.items()})
+        return out
+
+    return step
+
+
+def eval_step(loss_fn: LossFn, *, jit: bool = True) -> Callable[..., dict[str, Array]]:
+    """An evaluation step: `loss_fn` per example under `eqx.nn.inference_mode`.
+
+    Each example's loss is `loss_fn` on a batch of that one example, so padding rows
+    can be weighted out exactly and batches of different fill combine correctly:
+    `sum(m["loss"] * m["weight"]) / sum(m["weight"])` over batches.
+
+    Args:
+        loss_fn: as for `train_step`.
+        jit: wrap the step in `eqx.filter_jit` (no donation).
+
+    Returns:
+        `(model, batch, key, weights=None) -> metrics` with `loss` (and each aux
+        scalar) the `weights`-weighted mean over the batch, and `weight` the sum of
+        the weights (the batch size when `weights` is None).
+
+    Example:
+        >>> evaluate = eval_step(loss_fn)
+        >>> evaluate(model, batch, jax.random.key(0))["loss"]
+    """
+    core = _eval_core(loss_fn)
+    return eqx.filter_jit(core) if jit else core
+
+
+def _predict_core(pred_fn: PredFn) -> Callable[..., Any]:
+    def step(model: Any, batch: Any, key: Any) -> Any:
+        size = batch_size(batch)
+        out = pred_fn(eqx.nn.inference_mode(model), batch, key)
+        leaves = jax.tree_util.tree_leaves(out)
+        if not leaves or any(jnp.ndim(x) == 0 or jnp.shape(x)[0] != size for x in leaves):
+            raise ValueError(
+                f"pred_fn must return a pytree of arrays with the batch on the leading axis; "
+                f"for a batch of {size} ({_shapes(batch)}) it returned {_shapes(out)}."
+            )
+        return out
+
+    return step
+
+
+def predict_step(pred_fn: PredFn, *, jit: bool = True) -> Callable[..., Any]:
+    """A prediction step: `pred_fn` under `eqx.nn.inference_mode`, output checked.
+
+    Args:
+        pred_fn: `(model, batch, key) -> pytree of arrays`, each with the batch on the
+            leading axis.
+        jit: wrap the step in `eqx.filter_jit` (no donation).
+
+    Returns:
+        `(model, batch, key) -> predictions`.
+
+    Example:
+        >>> predict = predict_step(lambda m, b, k: jax.vmap(m)(b["x"]).argmax(-1))
+        >>> labels = predict(model, batch, jax.random.key(0))
+    """
+    core = _predict_core(pred_fn)
+    return eqx.filter_jit(core) if jit else core
