@@ -1,0 +1,5 @@
+"""`python -m redcoast` runs the `redcoast` command."""
+
+from .cli import main
+
+main()
