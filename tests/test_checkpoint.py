@@ -78,7 +78,7 @@ def test_save_at_2x4_load_at_1x8_and_on_one_device(saved: tuple[Path, TinyGPT, o
 def test_optimizer_state_round_trips_and_follows_the_parameters(
     saved: tuple[Path, TinyGPT, object],
 ) -> None:
-    path, model, opt_state = saved
+    path, _, opt_state = saved
     like = make()
     opt_like = optax.adam(1e-3).init(eqx.filter(like, eqx.is_inexact_array))
     mesh = rc.make_mesh(2)
@@ -132,7 +132,7 @@ def test_overwrite_and_no_leftovers_after_a_failed_save(tmp_path: Path) -> None:
     rc.save_checkpoint(tmp_path / "c", model=model, step=1)
     rc.save_checkpoint(tmp_path / "c", model=model, step=2)
     assert rc.load_checkpoint(tmp_path / "c", like=model).step == 2
-    with pytest.raises(TypeError, match="state.json cannot hold"):
+    with pytest.raises(TypeError, match=r"state\.json cannot hold"):
         rc.save_checkpoint(tmp_path / "d", model=model, step=3, note=object())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
