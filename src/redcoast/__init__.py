@@ -6,12 +6,28 @@ split into; redcoast builds the mesh, splits every weight, and runs the steps.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .checkpoint import Checkpoint as Checkpoint
+from .checkpoint import CheckpointError as CheckpointError
+from .checkpoint import load_checkpoint as load_checkpoint
+from .checkpoint import save_checkpoint as save_checkpoint
+from .data import Batch as Batch
+from .data import batches as batches
+from .fit import BestMetric as BestMetric
+from .fit import FitResult as FitResult
+from .fit import fit as fit
+from .fit import predict as predict
+from .logging import jsonl_logger as jsonl_logger
+from .logging import tensorboard_logger as tensorboard_logger
+from .logging import wandb_logger as wandb_logger
 from .mesh import make_mesh as make_mesh
 from .sharding import ShardingPlan as ShardingPlan
 from .sharding import shard as shard
 from .sharding import sharding_plan as sharding_plan
 from .sharding import sharding_report as sharding_report
 from .sharding import sharding_rules as sharding_rules
+from .step import eval_step as eval_step
+from .step import predict_step as predict_step
+from .step import train_step as train_step
 
 try:
     __version__ = version("redcoast")

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from .mesh import DATA, mesh_shape
 
@@ -66,13 +66,13 @@ def batch_size(batch: Any, *, what: str = "batch") -> int:
     leaves = jax.tree_util.tree_leaves(batch)
     if not leaves:
         raise ValueError(f"{what} holds no arrays: {batch!r}.")
-    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    if None in sizes or len(sizes) != 1:
+    sizes = {np.shape(x)[0] if np.ndim(x) else -1 for x in leaves}
+    if -1 in sizes or len(sizes) != 1:
         raise ValueError(
             f"{what} must hold arrays that share one leading (batch) axis; got shapes "
             f"{_shapes(batch)}."
         )
-    return int(next(iter(sizes)))
+    return int(sizes.pop())
 
 
 def _split_loss(out: Any, batch: Any, name: str = "loss_fn") -> tuple[Array, dict[str, Array]]:
@@ -86,8 +86,16 @@ def _split_loss(out: Any, batch: Any, name: str = "loss_fn") -> tuple[Array, dic
         loss, aux = out
     else:
         loss, aux = out, {}
-    if not hasattr(loss, "shape") or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-        got = f"shape {tuple(loss.shape)} {loss.dtype}" if hasattr(loss, "shape") else type(loss).__name__
+    if (
+        not hasattr(loss, "shape")
+        or loss.shape != ()
+        or not jnp.issubdtype(loss.dtype, jnp.floating)
+    ):
+        got = (
+            f"shape {tuple(loss.shape)} {loss.dtype}"
+            if hasattr(loss, "shape")
+            else type(loss).__name__
+        )
         raise ValueError(
             f"{name} must return a scalar floating-point loss (reduce over the batch, e.g. "
             f".mean()); it returned {got} for a batch {_shapes(batch)}."

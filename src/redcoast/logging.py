@@ -1,0 +1,218 @@
+"""Where metrics go: a progress bar, `metrics.jsonl`, and optional TensorBoard / wandb sinks.
+
+A logger is any callable `(metrics: dict, step: int) -> None`. Loggers that hold a
+resource also have a `close()` method, which `fit` calls when training ends. All
+of this runs on the host with plain Python floats: `fit` fetches the device values
+once per logging interval, never per call here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType, TracebackType
+from typing import Any
+
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+
+Logger = Callable[[dict[str, Any], int], None]
+"""`(metrics, step) -> None`."""
+
+
+def _import_extra(module: str, extra: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"this logger needs {module!r}, which is not installed; "
+            f"install it with `pip install 'redcoast[{extra}]'`."
+        ) from e
+
+
+def _json_value(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
+def jsonl_logger(path: str | os.PathLike[str]) -> Logger:
+    """Append one JSON line `{"step": step, **metrics}` per call to `path`.
+
+    The file is opened and closed on every call, so nothing leaks if training dies
+    and another process can tail it. Non-finite floats are written as strings
+    (`"nan"`, `"inf"`) to keep every line valid JSON.
+
+    Args:
+        path: the `.jsonl` file; its folder is created if needed.
+
+    Returns:
+        The logger.
+
+    Example:
+        >>> log = jsonl_logger("runs/x/metrics.jsonl")
+        >>> log({"loss": 0.5, "lr": 1e-3}, 10)
+    """
+    path = os.fspath(path)
+
+    def log(metrics: dict[str, Any], step: int) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        record = {"step": int(step), **{k: _json_value(v) for k, v in metrics.items()}}
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    return log
+
+
+class _TensorBoard:
+    def __init__(self, logdir: str, **kwargs: Any):
+        self._writer = _import_extra("tensorboardX", "tensorboard").SummaryWriter(logdir, **kwargs)
+
+    def __call__(self, metrics: dict[str, Any], step: int) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                self._writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def tensorboard_logger(logdir: str | os.PathLike[str], **kwargs: Any) -> Logger:
+    """Write every numeric metric as a TensorBoard scalar (needs the `tensorboard` extra).
+
+    Args:
+        logdir: the event folder.
+        **kwargs: passed to `tensorboardX.SummaryWriter`.
+
+    Returns:
+        The logger, with a `close()` method that `fit` calls at the end.
+
+    Example:
+        >>> rc.fit(..., loggers=[tensorboard_logger("runs/x/tb")])
+    """
+    return _TensorBoard(os.fspath(logdir), **kwargs)
+
+
+class _Wandb:
+    def __init__(self, **init_kwargs: Any):
+        self._wandb = _import_extra("wandb", "wandb")
+        self._run = self._wandb.init(**init_kwargs)
+
+    def __call__(self, metrics: dict[str, Any], step: int) -> None:
+        self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def wandb_logger(**init_kwargs: Any) -> Logger:
+    """Log every metric to Weights & Biases (needs the `wandb` extra).
+
+    Args:
+        **init_kwargs: passed to `wandb.init` (`project=`, `name=`, `config=`, ...).
+
+    Returns:
+        The logger, with a `close()` method (finishing the run) that `fit` calls.
+
+    Example:
+        >>> rc.fit(..., loggers=[wandb_logger(project="redcoast-demo")])
+    """
+    return _Wandb(**init_kwargs)
+
+
+def close_loggers(loggers: Iterable[Logger]) -> None:
+    """Call `close()` on every logger that has one.
+
+    Args:
+        loggers: the loggers given to `fit`.
+
+    Example:
+        >>> close_loggers([jsonl_logger("m.jsonl"), tensorboard_logger("tb")])
+    """
+    for logger in loggers:
+        close = getattr(logger, "close", None)
+        if callable(close):
+            close()
+
+
+class _Rate(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("" if speed is None else f"{speed:.2f} step/s", style="progress.data.speed")
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+class ProgressBar:
+    """A rich progress bar over optimizer steps with the latest loss and learning rate.
+
+    Use as a context manager; when `enabled` is false every method does nothing, so
+    callers need no branches for non-zero processes.
+
+    Args:
+        total: the number of steps, or None when unknown.
+        enabled: draw the bar (normally `jax.process_index() == 0 and progress`).
+        description: the label on the left.
+
+    Example:
+        >>> with ProgressBar(100) as bar:
+        ...     for step in range(1, 101):
+        ...         bar.advance(step)
+        ...         bar.show({"loss": 0.1, "lr": 1e-3})
+    """
+
+    def __init__(self, total: int | None, *, enabled: bool = True, description: str = "train"):
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._latest: dict[str, Any] = {}
+        if enabled:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                _Rate(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                refresh_per_second=4,
+            )
+            self._task = self._progress.add_task(description, total=total, info="")
+
+    def __enter__(self) -> ProgressBar:
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def advance(self, step: int) -> None:
+        """Mark `step` optimizer steps as done."""
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def show(self, metrics: Mapping[str, Any]) -> None:
+        """Show `loss` and `lr` (and eval metrics, if present) next to the bar."""
+        if self._progress is not None:
+            keys = ("loss", "lr", "eval_loss")
+            self._latest.update({k: metrics[k] for k in keys if k in metrics})
+            info = "  ".join(f"{k} {_fmt(v)}" for k, v in self._latest.items())
+            self._progress.update(self._task, info=info)
