@@ -6,6 +6,7 @@ split into; redcoast builds the mesh, splits every weight, and runs the steps.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import distributed as distributed
 from .checkpoint import Checkpoint as Checkpoint
 from .checkpoint import CheckpointError as CheckpointError
 from .checkpoint import load_checkpoint as load_checkpoint

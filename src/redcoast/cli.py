@@ -97,5 +97,36 @@ def plan(model: str, n_model_shards: int, no_trace: bool) -> None:
         raise click.ClickException(str(err)) from err
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--nprocs", type=click.IntRange(min=1), required=True, help="Processes to start.")
+@click.option(
+    "--devices-per-proc",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Simulated CPU devices in each process.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=23456,
+    show_default=True,
+    help="Coordinator port on 127.0.0.1.",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def launch(nprocs: int, devices_per_proc: int, port: int, command: tuple[str, ...]) -> None:
+    """Run COMMAND as NPROCS local processes that form one JAX job.
+
+    Example: redcoast launch --nprocs 2 --devices-per-proc 4 -- python train.py
+
+    Output is prefixed with each process's rank; if one fails the rest are stopped
+    and its exit code is returned.
+    """
+    from .distributed import launch as run
+
+    code = run(list(command), nprocs=nprocs, devices_per_proc=devices_per_proc, port=port)
+    sys.exit(128 - code if code < 0 else code)
+
+
 if __name__ == "__main__":
     main()
