@@ -1,5 +1,7 @@
 """Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s lint`, `nox -s bench`."""
 
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -29,5 +31,5 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks in scripts/: each prints a table and writes JSON under bench-results/."""
     session.install("-e", ".")
-    for script in ["bench_comm.py"]:
-        session.run("python", f"scripts/{script}", *session.posargs, env=SIMULATED)
+    for script in sorted(Path("scripts").glob("bench_*.py")):
+        session.run("python", str(script), *session.posargs, env=SIMULATED)
