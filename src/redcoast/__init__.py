@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 from . import distributed as distributed
 from .checkpoint import Checkpoint as Checkpoint
 from .checkpoint import CheckpointError as CheckpointError
+from .checkpoint import latest_checkpoint as latest_checkpoint
 from .checkpoint import load_checkpoint as load_checkpoint
 from .checkpoint import save_checkpoint as save_checkpoint
 from .data import Batch as Batch

@@ -35,11 +35,19 @@ from jaxtyping import PyTree
 
 from .sharding import path_str
 
-__all__ = ["Checkpoint", "CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "step_checkpoint_path",
+]
 
 FORMAT = "redcoast-checkpoint"
 VERSION = 1
 STATE = "state.json"
+STEP_PREFIX = "step_"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
 _DTYPES = {
@@ -426,13 +434,21 @@ def _spec_map(model: PyTree, specs: PyTree | None) -> dict[str, P] | None:
 
 
 def _optimizer_specs(
-    opt_leaves: list[tuple[str, Any]], model_specs: Mapping[str, P]
+    opt_leaves: list[tuple[str, Any]],
+    model_leaves: list[tuple[str, Any]],
+    model_specs: Mapping[str, P],
 ) -> dict[str, P]:
     """Optimizer moments mirror the parameters: a leaf whose path ends with a parameter's
-    path and has its shape takes that parameter's spec; the rest are replicated."""
+    path and has its shape takes that parameter's spec; the rest (step counters,
+    factored statistics) are replicated."""
+    shapes = {k: _abstract(v)[0] for k, v in model_leaves}
     out = {}
-    for key, _ in opt_leaves:
-        match = [m for m in model_specs if key == m or key.endswith("." + m)]
+    for key, leaf in opt_leaves:
+        match = [
+            m
+            for m in model_specs
+            if (key == m or key.endswith("." + m)) and shapes.get(m) == _abstract(leaf)[0]
+        ]
         out[key] = model_specs[max(match, key=len)] if match else P()
     return out
 
@@ -506,6 +522,79 @@ def load_checkpoint(
     model = _load_tree(like, stored_model, mesh, model_specs, dtype)
     opt_state = None
     if opt_state_like is not None:
-        opt_specs = _optimizer_specs(opt_leaves, model_specs) if model_specs is not None else None
+        opt_specs = (
+            None if model_specs is None else _optimizer_specs(opt_leaves, model_leaves, model_specs)
+        )
         opt_state = _load_tree(opt_state_like, stored_opt, mesh, opt_specs, None)
     return Checkpoint(model=model, opt_state=opt_state, step=int(state["step"]), state=state)
+
+
+# --------------------------------------------------------------------------- a run's folder
+
+
+def step_checkpoint_path(folder: str | os.PathLike[str], step: int) -> Path:
+    """Where a run keeps its checkpoint of `step`: `folder/step_00000100`.
+
+    Args:
+        folder: the run's checkpoint folder (`fit` uses `workdir/ckpts`).
+        step: the optimizer step.
+
+    Returns:
+        The path; zero-padded so that names sort by step.
+
+    Example:
+        >>> step_checkpoint_path("runs/x/ckpts", 100)
+        PosixPath('runs/x/ckpts/step_00000100')
+    """
+    return Path(folder) / f"{STEP_PREFIX}{int(step):08d}"
+
+
+def _step_checkpoints(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete `step_*` checkpoints in `folder`, oldest first."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        digits = child.name[len(STEP_PREFIX) :]
+        if child.name.startswith(STEP_PREFIX) and digits.isdigit() and (child / STATE).is_file():
+            found.append((int(digits), child))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
+    """The newest complete training checkpoint in a run's checkpoint folder.
+
+    Only `step_*` folders count: a best-metric checkpoint (`best/`) is never
+    "latest", so resuming never rolls training back to an older best. Folders are
+    renamed into place only when complete, so an interrupted save is never chosen.
+
+    Args:
+        folder: the run's checkpoint folder (`fit` uses `workdir/ckpts`).
+
+    Returns:
+        The folder of the highest step, or None when there is none.
+
+    Example:
+        >>> ckpt = load_checkpoint(latest_checkpoint("runs/x/ckpts"), like=model)
+    """
+    found = _step_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(folder: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete all but the newest `keep` `step_*` checkpoints (call on process 0 only).
+
+    Args:
+        folder: the run's checkpoint folder.
+        keep: how many of the newest to keep (at least 1).
+
+    Returns:
+        The folders deleted.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}.")
+    old = [path for _, path in _step_checkpoints(folder)[:-keep]]
+    for path in old:
+        shutil.rmtree(path)
+    return old

@@ -198,6 +198,7 @@ def batches(
     epoch: int = 0,
     shuffle: bool = True,
     drop_last: bool = True,
+    start: int = 0,
 ) -> Iterator[Batch]:
     """Iterate over one epoch of global batches.
 
@@ -213,6 +214,8 @@ def batches(
         shuffle: shuffle the examples (training) or keep their order (eval, predict).
         drop_last: drop a last partial batch (training) or pad it by repeating the
             last example (eval, predict; `Batch.n_valid` says how many rows are real).
+        start: skip this many batches first, without collating them (to resume
+            mid-epoch).
 
     Returns:
         An iterator of `Batch`.
@@ -227,7 +230,7 @@ def batches(
     rows = process_rows(mesh, batch_size)
     order = epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle)
     n_batches = n // batch_size if drop_last else -(-n // batch_size)
-    for b in range(n_batches):
+    for b in range(start, n_batches):
         idx = order[b * batch_size : (b + 1) * batch_size]
         n_valid = len(idx)
         if n_valid < batch_size:

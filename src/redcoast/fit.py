@@ -8,13 +8,18 @@ while the devices compute.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import equinox as eqx
@@ -27,17 +32,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from .checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    step_checkpoint_path,
+)
 from .data import Batch, CollateFn, batches, global_batch_size
 from .logging import Logger, ProgressBar, close_loggers, jsonl_logger
 from .mesh import DATA, MODEL, make_mesh, mesh_shape
 from .sharding import shard, sharding_rules
 from .step import LossFn, PredFn, _donating_jit, _eval_core, _predict_core, train_step
-
-OnBest = Callable[..., None]
-"""Called as `on_best(model=, opt_state=, step=, epoch=, metrics=)` on a new best eval.
-
-The arrays are donated to the next training step: finish with them (or copy them)
-before returning."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,6 +365,66 @@ def _check_positive(name: str, value: Any, *, optional: bool = True) -> None:
         )
 
 
+@contextlib.contextmanager
+def _stop_requests(enabled: bool) -> Iterator[list[str]]:
+    """Catch SIGTERM and SIGINT while training, so the loop can stop after a step.
+
+    Yields the list of signal names caught so far. A second signal of either kind
+    goes to the handler that was there before (the default one ends the process
+    at once), so a user can still force an exit.
+    """
+    caught: list[str] = []
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        if caught:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+            signal.raise_signal(signum)
+            return
+        caught.append(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, handler) or signal.SIG_DFL
+    try:
+        yield caught
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any (a collective: all must call)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
+def _restore_history(path: str, step: int, lead: bool) -> dict[str, list[dict[str, Any]]]:
+    """Records of `metrics.jsonl` up to `step`; on process 0, later lines are dropped.
+
+    Lines after the checkpoint were written by the run that was interrupted; the
+    resumed run writes those steps again.
+    """
+    history: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
+    if not os.path.isfile(path):
+        return history
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    kept = [r for r in records if int(r.get("step", 0)) <= step]
+    if lead and len(kept) != len(records):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, path)
+    for r in kept:
+        history["eval" if any(k.startswith("eval_") for k in r) else "train"].append(r)
+    return history
+
+
 def fit(
     model: PyTree,
     optimizer: optax.GradientTransformation,
@@ -378,8 +444,11 @@ def fit(
     output_fn: Callable[[Any], Any] | None = None,
     metric_fn: Callable[[Sequence[Any], list[Any]], Mapping[str, Any]] | None = None,
     save_best: tuple[str, Literal["max", "min"]] | None = None,
-    on_best: OnBest | None = None,
     workdir: str | os.PathLike[str] | None = None,
+    save_every: int | None = None,
+    save_last: bool = True,
+    keep_last_n: int | None = None,
+    resume: bool = False,
     seed: int = 0,
     loggers: Sequence[Logger] = (),
     progress: bool = True,
@@ -395,6 +464,15 @@ def fit(
     epoch, collates only its own rows, and the step runs on the global batch
     (`train_step`). Step `s` (counting from 0) uses the key `fold_in(key(seed), s)`.
     A last partial batch of an epoch is dropped.
+
+    With a `workdir`, checkpoints go to `workdir/ckpts/step_XXXXXXXX` (every
+    `save_every` steps, at the end with `save_last`, and when SIGTERM or SIGINT
+    arrives: the current step finishes, a checkpoint is saved and the process
+    exits with code 0). `resume=True` continues step-exactly from the newest of
+    them: same parameters, optimizer state, position in the epoch's data order
+    and random keys, so an interrupted run ends where an uninterrupted one does.
+    The best evaluation (`save_best`) is kept apart in `workdir/ckpts/best`, which
+    resuming never picks.
 
     The model and optimizer state are donated to the jitted step: use
     `result.model` afterwards, not the model you passed in if it was already
@@ -416,16 +494,20 @@ def fit(
         accumulate_grad_batches: micro-batches per optimizer step.
         eval_examples: a sequence to evaluate on.
         eval_per_device_batch_size: defaults to `per_device_batch_size`.
-        eval_every: evaluate every this many steps; default once per epoch.
+        eval_every: evaluate every this many steps; default at the end of each
+            epoch. The last step is always evaluated.
         pred_fn: `(model, batch, key) -> pytree of arrays`, for eval predictions.
         output_fn: one example's predictions (NumPy) -> output, as in `predict`.
         metric_fn: `(eval_examples, outputs) -> dict of numbers`.
         save_best: `(metric, "max" | "min")`: track the best evaluation (metric is
-            `"loss"` or a key of `metric_fn`'s dict) and call `on_best` on each new best.
-        on_best: called as `on_best(model=, opt_state=, step=, epoch=, metrics=)` on
-            every process when an evaluation improves on the best so far.
-        workdir: where `metrics.jsonl` and `eval/step_XXXXXXXX.json` (metrics and
-            outputs of each evaluation) are written, by process 0.
+            `"loss"` or a key of `metric_fn`'s dict) in `history["best"]`, and with a
+            `workdir` keep its checkpoint in `workdir/ckpts/best`.
+        workdir: where `metrics.jsonl`, `eval/step_XXXXXXXX.json` (metrics and
+            outputs of each evaluation) and `ckpts/` are written, by process 0.
+        save_every: save a checkpoint every this many steps (needs `workdir`).
+        save_last: save a checkpoint after the last step (when `workdir` is set).
+        keep_last_n: keep only the newest this many `step_*` checkpoints.
+        resume: continue from the newest checkpoint in `workdir/ckpts`, if any.
         seed: the one seed for shuffling and the step keys.
         loggers: callables `(metrics, step) -> None`, called on process 0.
         progress: show a progress bar on process 0.
@@ -445,7 +527,8 @@ def fit(
         >>> result = fit(model, optax.adamw(1e-3), train, collate_fn=collate_fn,
         ...              loss_fn=loss_fn, mesh=make_mesh(2), per_device_batch_size=8,
         ...              n_epochs=2, eval_examples=val, pred_fn=pred_fn,
-        ...              metric_fn=metric_fn, save_best=("accuracy", "max"), workdir="runs/x")
+        ...              metric_fn=metric_fn, save_best=("accuracy", "max"),
+        ...              workdir="runs/x", save_every=500, resume=True)
         >>> result.history["eval"][-1]["eval_accuracy"]
     """
     if n_epochs is None and max_steps is None:
@@ -455,6 +538,8 @@ def fit(
         ("max_steps", max_steps),
         ("eval_every", eval_every),
         ("eval_per_device_batch_size", eval_per_device_batch_size),
+        ("save_every", save_every),
+        ("keep_last_n", keep_last_n),
     ):
         _check_positive(name, value)
     _check_positive("log_every", log_every, optional=False)
@@ -462,6 +547,14 @@ def fit(
         raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
     if (output_fn is not None or metric_fn is not None) and pred_fn is None:
         raise ValueError("output_fn and metric_fn work on predictions: pass pred_fn as well.")
+    if workdir is None:
+        for name, value in (
+            ("save_every", save_every),
+            ("keep_last_n", keep_last_n),
+            ("resume", resume),
+        ):
+            if value:
+                raise ValueError(f"{name} needs a workdir to keep checkpoints in; pass workdir=.")
     best = None
     if save_best is not None:
         if not isinstance(save_best, tuple) or len(save_best) != 2:
@@ -478,11 +571,13 @@ def fit(
     base_key = jax.random.key(seed)
     lead = jax.process_index() == 0
     workdir = None if workdir is None else os.fspath(workdir)
+    ckpt_dir = None if workdir is None else os.path.join(workdir, "ckpts")
+    metrics_path = None if workdir is None else os.path.join(workdir, "metrics.jsonl")
     sinks: list[Logger] = list(loggers)
-    if workdir is not None:
-        sinks.insert(0, jsonl_logger(os.path.join(workdir, "metrics.jsonl")))
+    if metrics_path is not None:
+        sinks.insert(0, jsonl_logger(metrics_path))
 
-    def epoch_batches(epoch: int) -> Iterator[Batch]:
+    def epoch_examples(epoch: int) -> Sequence[Any]:
         examples = train_examples(epoch) if callable(train_examples) else train_examples
         examples = _check_examples(examples, f"train_examples (epoch {epoch})")
         if len(examples) < size:
@@ -493,6 +588,9 @@ def fit(
                 f"{accumulate_grad_batches}); the partial batch would be dropped. Use a "
                 f"smaller per_device_batch_size."
             )
+        return examples
+
+    def epoch_batches(epoch: int, examples: Sequence[Any], start: int = 0) -> Iterator[Batch]:
         return batches(
             examples,
             collate_fn=collate_fn,
@@ -502,14 +600,40 @@ def fit(
             epoch=epoch,
             shuffle=True,
             drop_last=True,
+            start=start,
         )
 
-    first_epoch = epoch_batches(0)
-    first = next(first_epoch)
+    first = next(epoch_batches(0, epoch_examples(0)))
     model = _place_model(model, mesh, lambda m: loss_fn(m, first.arrays, base_key))
     if opt_state is None:
         opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     opt_state = _replicate_strays(opt_state, mesh)
+
+    step = epoch = position = 0
+    history: dict[str, Any] = {"train": [], "eval": []}
+    found = latest_checkpoint(ckpt_dir) if resume and ckpt_dir is not None else None
+    if found is not None:
+        # Loading into the shardings of the freshly placed model and optimizer state.
+        ckpt = load_checkpoint(found, like=model, opt_state_like=opt_state)
+        loop = ckpt.state.get("loop", {})
+        if loop.get("seed") != seed or loop.get("global_batch_size") != size:
+            raise ValueError(
+                f"cannot resume step-exactly from {found}: it was saved with seed="
+                f"{loop.get('seed')} and a global batch of {loop.get('global_batch_size')}, "
+                f"this run has seed={seed} and a global batch of {size}. Use the same seed "
+                "and per_device_batch_size x data shards x accumulate_grad_batches, or a "
+                "new workdir."
+            )
+        model, opt_state = ckpt.model, ckpt.opt_state
+        step, epoch, position = ckpt.step, int(loop["epoch"]), int(loop["position"])
+        if best is not None and loop.get("best") and loop["best"]["metric"] == best.metric:
+            best = dataclasses.replace(best, **loop["best"])
+        assert metrics_path is not None
+        history = _restore_history(metrics_path, step, lead)
+        if best is not None and best.value is not None:
+            history["best"] = dataclasses.asdict(best)
+        if lead:
+            print(f"redcoast: resuming from {found} (step {step}, epoch {epoch})", flush=True)
 
     core = train_step(
         loss_fn,
@@ -533,15 +657,15 @@ def fit(
         per_epoch = n_epochs * (len(train_examples) // size)
         total = per_epoch if max_steps is None else min(max_steps, per_epoch)
 
-    history: dict[str, Any] = {"train": [], "eval": []}
     pending: list[tuple[int, int, dict[str, Any]]] = []
-    clock = {"t": time.perf_counter(), "step": 0}
+    clock = {"t": time.perf_counter(), "step": step}
     timing = {"data_s": 0.0, "step_call_s": 0.0, "other_s": 0.0, "steps": 0}
+    last_record: dict[str, Any] = {}
 
-    def emit(record: dict[str, Any], step: int) -> None:
+    def emit(record: dict[str, Any], at: int) -> None:
         if lead:
             for sink in sinks:
-                sink(record, step)
+                sink(record, at)
 
     def flush(upto: int) -> None:
         """Fetch the metrics of steps <= upto in one transfer; check them; log the last."""
@@ -567,10 +691,30 @@ def fit(
             record["skipped"] = sum(float(m["skipped"]) for m in host)
         record.update(steps_per_s=rate, examples_per_s=rate * size)
         history["train"].append({"step": s, **record})
+        last_record.clear()
+        last_record.update(record)
         emit(record, s)
         bar.show(record)
 
-    def evaluate(step: int, epoch: int) -> None:
+    def save(path: Path, at: int, at_epoch: int, at_position: int) -> None:
+        loop = {
+            "epoch": at_epoch,
+            "position": at_position,
+            "seed": seed,
+            "global_batch_size": size,
+            "best": None if best is None else dataclasses.asdict(best),
+        }
+        save_checkpoint(
+            path,
+            model=model,
+            opt_state=opt_state,
+            step=at,
+            loop=loop,
+            rng=np.asarray(jax.random.key_data(base_key)),
+            metrics=dict(last_record),
+        )
+
+    def evaluate(at: int, at_epoch: int) -> None:
         nonlocal best
         assert eval_examples is not None
         loss_metrics, outputs = _inference(
@@ -588,57 +732,81 @@ def fit(
         if metric_fn is not None:
             assert outputs is not None
             metrics.update(_scalar_metrics(metric_fn(eval_examples, outputs)))
-        record = {"epoch": epoch, **{f"eval_{k}": v for k, v in metrics.items()}}
-        history["eval"].append({"step": step, **record})
-        emit(record, step)
+        record = {"epoch": at_epoch, **{f"eval_{k}": v for k, v in metrics.items()}}
+        history["eval"].append({"step": at, **record})
+        emit(record, at)
         bar.show(record)
         if lead and workdir is not None:
             os.makedirs(os.path.join(workdir, "eval"), exist_ok=True)
-            with open(os.path.join(workdir, "eval", f"step_{step:08d}.json"), "w") as f:
+            with open(os.path.join(workdir, "eval", f"step_{at:08d}.json"), "w") as f:
                 json.dump(
-                    {"step": step, "epoch": epoch, "metrics": metrics, "outputs": outputs},
+                    {"step": at, "epoch": at_epoch, "metrics": metrics, "outputs": outputs},
                     f,
                     default=_json_default,
                 )
         if best is not None:
-            best, improved = best.update(metrics, step)
+            best, improved = best.update(metrics, at)
             history["best"] = dataclasses.asdict(best)
-            if improved and on_best is not None:
-                on_best(model=model, opt_state=opt_state, step=step, epoch=epoch, metrics=metrics)
+            if improved and ckpt_dir is not None:
+                save(Path(ckpt_dir) / "best", at, at_epoch, position)
 
-    step = last_epoch = 0
-    with ProgressBar(total, enabled=progress and lead) as bar:
+    def done() -> bool:
+        return (max_steps is not None and step >= max_steps) or (
+            n_epochs is not None and epoch >= n_epochs
+        )
+
+    stopped_by: str | None = None
+    with (
+        ProgressBar(total, enabled=progress and lead, completed=step) as bar,
+        _stop_requests(ckpt_dir is not None) as caught,
+    ):
         try:
-            for epoch in itertools.count():
-                if n_epochs is not None and epoch >= n_epochs:
-                    break
-                last_epoch = epoch
-                it = first_epoch if epoch == 0 else epoch_batches(epoch)
-                if epoch == 0:
-                    it = itertools.chain([first], it)
+            while not done():
+                examples = epoch_examples(epoch)
+                n_batches = len(examples) // size
+                if epoch == 0 and position == 0:
+                    it = itertools.chain([first], epoch_batches(epoch, examples, start=1))
+                else:
+                    it = epoch_batches(epoch, examples, start=position)
                 t_end = time.perf_counter()
-                while max_steps is None or step < max_steps:
-                    batch = next(it, None)
-                    if batch is None:
-                        break
+                for batch in it:
                     t_call = time.perf_counter()
                     model, opt_state, metrics = step_fn(
                         model, opt_state, batch.arrays, base_key, np.int32(step)
                     )
                     t_ret = time.perf_counter()
                     step += 1
+                    position += 1
                     pending.append((step, epoch, metrics))
                     # Logging one step behind leaves this step running on the devices
                     # while the host reads the previous one's metrics.
                     if (step - 1) % log_every == 0 and step > 1:
                         flush(step - 1)
-                    if (
-                        eval_every is not None
-                        and step % eval_every == 0
-                        and eval_examples is not None
+                    last = (max_steps is not None and step >= max_steps) or (
+                        position == n_batches and n_epochs is not None and epoch == n_epochs - 1
+                    )
+                    if eval_examples is not None and (
+                        last
+                        or (eval_every is not None and step % eval_every == 0)
+                        or (eval_every is None and position == n_batches)
                     ):
                         flush(step)
                         evaluate(step, epoch)
+                    # Every process must take the same decision: in a multi-process run
+                    # the processes agree on a signal at logging boundaries.
+                    if (jax.process_count() == 1 or step % log_every == 0 or last) and (
+                        _any_process(bool(caught))
+                    ):
+                        stopped_by = caught[0] if caught else "a signal to another process"
+                    if ckpt_dir is not None and (
+                        (save_every is not None and step % save_every == 0)
+                        or (last and save_last)
+                        or stopped_by
+                    ):
+                        flush(step)
+                        save(step_checkpoint_path(ckpt_dir, step), step, epoch, position)
+                        if lead and keep_last_n is not None:
+                            prune_checkpoints(ckpt_dir, keep_last_n)
                     bar.advance(step)
                     t_next = time.perf_counter()
                     if step > 1:
@@ -647,20 +815,27 @@ def fit(
                         timing["other_s"] += t_next - t_ret
                         timing["steps"] += 1
                     t_end = t_next
+                    if last or stopped_by:
+                        break
                 flush(step)
-                stop = max_steps is not None and step >= max_steps
-                if eval_every is None and eval_examples is not None and not stop:
-                    evaluate(step, epoch)
-                if stop:
+                if stopped_by or (max_steps is not None and step >= max_steps):
                     break
-            flush(step)
-            if eval_examples is not None and (
-                not history["eval"] or history["eval"][-1]["step"] != step
-            ):
-                evaluate(step, last_epoch)
+                epoch += 1
+                position = 0
         finally:
             if lead:
                 close_loggers(sinks)
+    if stopped_by:
+        assert ckpt_dir is not None
+        where = step_checkpoint_path(ckpt_dir, step)
+        if lead:
+            print(
+                f"redcoast: {stopped_by} received; stopped after step {step} and saved "
+                f"{where}. Run again with resume=True to continue.",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise SystemExit(0)
     n = max(1, timing.pop("steps"))
     history["timing"] = {k: v / n for k, v in timing.items()}
     return FitResult(model=model, opt_state=opt_state, step=step, history=history)

@@ -166,6 +166,7 @@ class ProgressBar:
         total: the number of steps, or None when unknown.
         enabled: draw the bar (normally `jax.process_index() == 0 and progress`).
         description: the label on the left.
+        completed: steps already done (when resuming).
 
     Example:
         >>> with ProgressBar(100) as bar:
@@ -174,7 +175,14 @@ class ProgressBar:
         ...         bar.show({"loss": 0.1, "lr": 1e-3})
     """
 
-    def __init__(self, total: int | None, *, enabled: bool = True, description: str = "train"):
+    def __init__(
+        self,
+        total: int | None,
+        *,
+        enabled: bool = True,
+        description: str = "train",
+        completed: int = 0,
+    ):
         self._progress: Progress | None = None
         self._task: Any = None
         self._latest: dict[str, Any] = {}
@@ -188,7 +196,9 @@ class ProgressBar:
                 TextColumn("{task.fields[info]}"),
                 refresh_per_second=4,
             )
-            self._task = self._progress.add_task(description, total=total, info="")
+            self._task = self._progress.add_task(
+                description, total=total, completed=completed, info=""
+            )
 
     def __enter__(self) -> ProgressBar:
         if self._progress is not None:
