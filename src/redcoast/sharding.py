@@ -490,11 +490,13 @@ class _Flow:
         leaf, axes = weight
         by_data = any(s.data for s in ins[1:])
         self.lookups.setdefault(leaf, set()).add(by_data)
-        taint = frozenset().union(*(s.taint for s in ins[1:]))
         if name == "dynamic_slice" and not by_data:
             # A loop indexing stacked layers (w[i]) keeps the weight.
             return _V(weight=(leaf, axes))
-        return _V(taint=taint, data=True)
+        # Looked-up rows are whole (a vocabulary-split table is all-reduced), whatever
+        # computed the indices: in a generation loop they are the argmax of the head's
+        # logits, and passing the head's taint on would flip every layer after it.
+        return _V(data=True)
 
     def _fixed_point(self, body: Any, consts: list[_V], carry: list[_V], xs: list[_V]) -> list[_V]:
         nc = len(carry)
