@@ -3,14 +3,20 @@
 The same user script runs on one machine or many. `initialize()` looks, in order,
 at its explicit arguments, the `REDCOAST_*` environment variables (set by
 `redcoast launch`), and SLURM's variables; with none of them it leaves JAX in
-single-process mode. `launch` starts N local processes for tests and
+single-process mode. `make_mesh` calls it, so `fit` and `predict` need no change
+to run on many hosts. `launch` starts N local processes for tests and
 experiments on one machine.
+
+A dead peer never leaves the others hanging: every process sends a heartbeat
+through the coordinator's key-value store, process 0 watches them, and when one
+falls silent every survivor exits with `EXIT_PEER_LOST` and a message naming it.
 """
 
+import atexit
 import contextlib
 import dataclasses
 import itertools
-import logging
+import math
 import os
 import re
 import signal
@@ -18,19 +24,38 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NoReturn
 
 import jax
 
-__all__ = ["DistributedConfig", "expand_nodelist", "initialize", "launch", "resolve"]
-
-log = logging.getLogger("redcoast")
+__all__ = [
+    "DEFAULT_HEARTBEAT_SECONDS",
+    "EXIT_PEER_LOST",
+    "DistributedConfig",
+    "expand_nodelist",
+    "free_port",
+    "heartbeat_timeout",
+    "initialize",
+    "launch",
+    "resolve",
+]
 
 ENV_ADDRESS = "REDCOAST_COORDINATOR_ADDRESS"
 ENV_NPROCS = "REDCOAST_NUM_PROCESSES"
 ENV_RANK = "REDCOAST_PROCESS_ID"
 ENV_HEARTBEAT = "REDCOAST_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_SECONDS = 30
+"""A process silent this long is declared lost (override: `REDCOAST_HEARTBEAT_TIMEOUT`)."""
+EXIT_PEER_LOST = 75
+"""Exit code of a survivor that stops because another process was lost (EX_TEMPFAIL:
+the run can be resumed from its last checkpoint)."""
+
+_ALIVE = "redcoast/alive/"
+_LOST = "redcoast/lost/"
+_DONE = "done"
+# Error texts of a collective whose peer vanished (gloo over TCP, the coordination service).
+_TRANSPORT = re.compile(r"gloo|connection|socket|peer|unavailable|heartbeat", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,30 +76,53 @@ def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's compressed host list, expanded: `node[01-03,07]` -> node01, node02, node03, node07.
 
     Args:
-        nodelist: the value of `SLURM_JOB_NODELIST` or `SLURM_STEP_NODELIST`.
+        nodelist: the value of `SLURM_JOB_NODELIST` or `SLURM_STEP_NODELIST`, e.g.
+            `gpu-[1-2],cpu3` or `rack[1-2]-n[01-04]`.
 
     Returns:
         Host names in order; zero padding of ranges is kept.
+
+    Raises:
+        ValueError: the list is empty or malformed (unbalanced brackets, a range
+            that is not `lo-hi` over integers).
+
+    Example:
+        >>> expand_nodelist("gpu-[1-2],cpu3")
+        ['gpu-1', 'gpu-2', 'cpu3']
     """
+    text = nodelist.strip()
+    items = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text)
+    # What is left of an item once its [..] groups are removed must hold no bracket.
+    bad = [i for i in items if re.search(r"[\[\]]", re.sub(r"\[[^\[\]]*\]", "", i))]
+    if not items or bad or ",".join(items) != text:
+        raise ValueError(
+            f"cannot read the SLURM node list {nodelist!r}: expected host names and bracketed "
+            "ranges separated by commas, e.g. 'node[01-04,07],gpu3'."
+        )
     hosts: list[str] = []
-    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip()):
-        parts = re.split(r"(\[[^\]]*\])", item)
+    for item in items:
         choices: list[list[str]] = []
-        for part in parts:
+        for part in re.split(r"(\[[^\]]*\])", item):
             if part.startswith("["):
-                options: list[str] = []
-                for rng in part[1:-1].split(","):
-                    if "-" in rng:
-                        lo, hi = rng.split("-", 1)
-                        width = len(lo)
-                        options += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
-                    elif rng:
-                        options.append(rng)
-                choices.append(options)
+                choices.append(_expand_range(part[1:-1], nodelist))
             elif part:
                 choices.append([part])
         hosts += ["".join(c) for c in itertools.product(*choices)]
     return hosts
+
+
+def _expand_range(spec: str, nodelist: str) -> list[str]:
+    """`01-03,07` -> 01, 02, 03, 07 (the inside of one pair of brackets)."""
+    options: list[str] = []
+    for rng in spec.split(","):
+        lo, _, hi = rng.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(
+                f"cannot read the SLURM node list {nodelist!r}: {rng!r} is not a number or a "
+                "range lo-hi."
+            )
+        options += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi or lo) + 1)]
+    return options
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -141,30 +189,74 @@ def _checked(address: str | None, n: int, rank: int, source: str) -> Distributed
     return DistributedConfig(address, n, rank, source)
 
 
+def heartbeat_timeout(
+    seconds: int | float | None = None, env: Mapping[str, str] | None = None
+) -> float:
+    """How long a process may stay silent before the others declare it lost.
+
+    Args:
+        seconds: an explicit value; wins over the environment.
+        env: the environment to read `REDCOAST_HEARTBEAT_TIMEOUT` from (`os.environ`
+            by default).
+
+    Returns:
+        Seconds, `DEFAULT_HEARTBEAT_SECONDS` when neither says.
+
+    Example:
+        >>> heartbeat_timeout(env={"REDCOAST_HEARTBEAT_TIMEOUT": "10"})
+        10.0
+    """
+    env = os.environ if env is None else env
+    raw: Any = seconds if seconds is not None else env.get(ENV_HEARTBEAT, DEFAULT_HEARTBEAT_SECONDS)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        where = "heartbeat_timeout_seconds" if seconds is not None else ENV_HEARTBEAT
+        raise ValueError(f"{where}={raw!r} must be a positive number of seconds.")
+    return value
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     local_device_ids: Sequence[int] | None = None,
     *,
-    heartbeat_timeout_seconds: int | None = None,
+    heartbeat_timeout_seconds: int | float | None = None,
 ) -> DistributedConfig:
     """Start `jax.distributed` as the arguments, environment or SLURM say; idempotent.
 
-    Call it before anything touches devices. With no arguments and no
-    `REDCOAST_*`/SLURM variables it does nothing (single process).
+    `make_mesh` calls this, so scripts built on `make_mesh`, `fit` and `predict`
+    run unchanged under `redcoast launch` or `srun`; call it yourself only if
+    something must touch devices before the mesh is built. With no arguments and
+    no `REDCOAST_*`/SLURM variables it does nothing (single process).
+
+    Once started, every process sends a heartbeat through the coordinator. When a
+    process stays silent for `heartbeat_timeout_seconds`, every survivor prints
+    which one was lost and exits with `EXIT_PEER_LOST` instead of hanging in a
+    collective. An uncaught exception ends a process at once (exit code 1)
+    without waiting at JAX's shutdown barrier, so its peers notice.
+
+    Under SLURM, JAX gives each task the device numbered by its `SLURM_LOCALID`
+    (one task per GPU); pass `local_device_ids` to drive several devices per task.
 
     Args:
         coordinator_address: `host:port` of process 0.
         num_processes: how many processes in all.
         process_id: this process's rank.
         local_device_ids: the devices this process drives (default: all it sees).
-        heartbeat_timeout_seconds: a peer silent this long is declared dead and the
-            survivors stop with an error instead of hanging (default
-            `REDCOAST_HEARTBEAT_TIMEOUT` or 30).
+        heartbeat_timeout_seconds: a peer silent this long is declared lost
+            (default `REDCOAST_HEARTBEAT_TIMEOUT`, else `DEFAULT_HEARTBEAT_SECONDS`).
+            Survivors exit within about 1.3 times this.
 
     Returns:
         The `DistributedConfig` used.
+
+    Raises:
+        RuntimeError: several processes are asked for, but JAX already started in
+            single-process mode because something touched devices first.
 
     Example:
         >>> rc.distributed.initialize()          # under srun or redcoast launch
@@ -173,41 +265,193 @@ def initialize(
     config = resolve(coordinator_address, num_processes, process_id)
     if not config.multi_process or jax.distributed.is_initialized():
         return config
-    heartbeat = heartbeat_timeout_seconds or int(
-        os.environ.get(ENV_HEARTBEAT, DEFAULT_HEARTBEAT_SECONDS)
-    )
+    timeout = heartbeat_timeout(heartbeat_timeout_seconds)
+    _check_backend_not_started(config)
+    # JAX's own heartbeat stays as a backstop, later than redcoast's, whose message
+    # names the lost process; 30 s here gives JAX 55 s.
+    backstop = math.ceil(1.5 * timeout) + 10
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address,
         num_processes=config.num_processes,
         process_id=config.process_id,
         local_device_ids=local_device_ids,
-        heartbeat_timeout_seconds=heartbeat,
-        shutdown_timeout_seconds=heartbeat,
-        initialization_timeout=max(60, 2 * heartbeat),
+        # redcoast already read the environment; JAX's SLURM detection only picks
+        # the task's local device there.
+        cluster_detection_method=None if config.source == "slurm" else "deactivate",
+        heartbeat_timeout_seconds=backstop,
+        shutdown_timeout_seconds=backstop,
+        # Hosts of a cluster job can start minutes apart; this is JAX's default.
+        initialization_timeout=300,
     )
-    _exit_fast_on_errors()
+    _exit_fast_on_errors(config, timeout)
+    _watch_peers(config, timeout)
     if config.process_id == 0:
-        log.info(
-            "redcoast: %d processes, coordinator %s (from %s)",
-            config.num_processes,
-            config.coordinator_address,
-            config.source,
+        print(
+            f"redcoast: {config.num_processes} processes, coordinator "
+            f"{config.coordinator_address} (from {config.source}); a process silent for "
+            f"{timeout:g} s stops the run",
+            flush=True,
         )
     return config
 
 
-def _exit_fast_on_errors() -> None:
+def _check_backend_not_started(config: DistributedConfig) -> None:
+    # jax.distributed.initialize must come before JAX creates its backend; its own
+    # error does not say which call came first or what redcoast expected.
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            f"redcoast: the environment asks for {config.num_processes} processes (from "
+            f"{config.source}; this is process {config.process_id}), but JAX has already "
+            "started in single-process mode: something touched devices (jax.devices(), "
+            "jax.random.key, an array, a jitted call) before the distributed runtime "
+            "started. Call rc.distributed.initialize() (or rc.make_mesh) at the top of the "
+            "script, before any other JAX call."
+        )
+
+
+def _coordination_client() -> Any:
+    # jax.distributed keeps its client private; its key-value store is the one
+    # channel every process already shares with the coordinator.
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+def _names(ranks: Sequence[int]) -> str:
+    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {', '.join(map(str, ranks))}"
+
+
+def _stop(config: DistributedConfig, why: str, *, linger: float = 0.0) -> NoReturn:
+    """Say why on stderr, wait `linger` seconds, and end the process with `EXIT_PEER_LOST`."""
+    sys.stdout.flush()
+    sys.stderr.write(
+        f"redcoast: process {config.process_id} of {config.num_processes} is stopping "
+        f"(exit code {EXIT_PEER_LOST}): {why}\n"
+    )
+    sys.stderr.flush()
+    time.sleep(linger)
+    os._exit(EXIT_PEER_LOST)
+
+
+def _silent_peers(
+    entries: Sequence[tuple[str, str]],
+    seen: Mapping[int, tuple[str, float]],
+    now: float,
+    timeout: float,
+) -> tuple[list[int], dict[int, tuple[str, float]]]:
+    """Which peers have not advanced their heartbeat for `timeout` seconds.
+
+    Args:
+        entries: `(key, value)` pairs under `redcoast/alive/`, the value a counter
+            or `"done"` for a process that finished.
+        seen: for each watched rank, its last value and when (monotonic) it changed.
+        now: the current monotonic time.
+        timeout: seconds of silence that make a peer lost.
+
+    Returns:
+        The lost ranks (sorted) and the updated `seen`; finished ranks leave `seen`.
+    """
+    values = {int(key.rsplit("/", 1)[-1]): value for key, value in entries}
+    updated: dict[int, tuple[str, float]] = {}
+    for rank, (value, since) in seen.items():
+        current = values.get(rank, value)
+        if current == _DONE:
+            continue
+        updated[rank] = (value, since) if current == value else (current, now)
+    lost = sorted(r for r, (_, since) in updated.items() if now - since > timeout)
+    return lost, updated
+
+
+def _watch_peers(config: DistributedConfig, timeout: float) -> None:
+    """Start the heartbeat thread: every process beats, process 0 watches the others.
+
+    Process 0 alone reads every heartbeat (one request per interval, however many
+    hosts); when it declares peers lost it records them for the others, which
+    read that one key and stop naming them.
+    """
+    client = _coordination_client()
+    rank, n = config.process_id, config.num_processes
+    interval = min(5.0, max(0.2, timeout / 10))
+    stopping = threading.Event()
+    lock = threading.Lock()
+
+    def finish() -> None:
+        # A process that ends normally says so, so that the watcher does not take
+        # the end of its heartbeats for a death while the others still work.
+        with lock:
+            stopping.set()
+            with contextlib.suppress(Exception):
+                client.key_value_set(f"{_ALIVE}{rank}", _DONE, allow_overwrite=True)
+
+    def run() -> None:
+        start = time.monotonic()
+        seen = {r: ("", start) for r in range(1, n)}
+        for beat in itertools.count():
+            if stopping.wait(interval):
+                return
+            try:
+                with lock:
+                    if stopping.is_set():
+                        return
+                    client.key_value_set(f"{_ALIVE}{rank}", str(beat), allow_overwrite=True)
+                if rank == 0:
+                    lost, seen = _silent_peers(
+                        client.key_value_dir_get(_ALIVE), seen, time.monotonic(), timeout
+                    )
+                    for r in lost:
+                        client.key_value_set(f"{_LOST}{r}", "lost", allow_overwrite=True)
+                else:
+                    lost = sorted(
+                        int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(_LOST)
+                    )
+            except Exception as err:
+                if stopping.is_set():
+                    return
+                reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+                _stop(
+                    config,
+                    f"the coordination service on this process failed ({reason})."
+                    if rank == 0
+                    else f"process 0, the coordinator at {config.coordinator_address}, cannot "
+                    f"be reached ({reason}); it died or its host is unreachable. See its log.",
+                )
+            if lost and not stopping.is_set():
+                _stop(
+                    config,
+                    f"{_names(lost)} sent no heartbeat for {timeout:g} s: it died or hung "
+                    f"(see its log for why). Set {ENV_HEARTBEAT} to change how long to wait.",
+                    # Process 0 hosts the coordinator: it stays long enough for the
+                    # others to read the verdict before it goes away.
+                    linger=2 * interval if rank == 0 else 0.0,
+                )
+
+    atexit.register(finish)
+    threading.Thread(target=run, name="redcoast-heartbeat", daemon=True).start()
+
+
+def _exit_fast_on_errors(config: DistributedConfig, timeout: float) -> None:
     """An uncaught exception ends this process at once, without the shutdown barrier.
 
     A clean exit waits for every peer at JAX's shutdown barrier; peers blocked in a
     collective with this process never arrive, so the failure would surface only
-    after the timeouts. Exiting at once lets the peers' heartbeat checks (or the
-    launcher) see it.
+    after the timeouts. Exiting at once lets the peers' heartbeat check see it.
+    When the error is a collective that lost its peer, the heartbeat thread gets
+    the time to name the lost process before this one exits.
     """
     previous = sys.excepthook
 
     def hook(kind, value, tb) -> None:  # type: ignore[no-untyped-def]
         previous(kind, value, tb)
+        if isinstance(value, jax.errors.JaxRuntimeError) and _TRANSPORT.search(str(value)):
+            sys.stderr.write(
+                f"redcoast: process {config.process_id} of {config.num_processes}: a "
+                "collective failed, most likely because another process died; waiting up "
+                f"to {1.3 * timeout:g} s for the heartbeat check to name it.\n"
+            )
+            sys.stderr.flush()
+            time.sleep(1.3 * timeout)  # the heartbeat thread exits the process first
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
@@ -215,36 +459,95 @@ def _exit_fast_on_errors() -> None:
     sys.excepthook = hook
 
 
+def _describe(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now, for a local coordinator.
+
+    Args:
+        host: the interface to probe.
+
+    Returns:
+        The port number.
+
+    Example:
+        >>> launch(["python", "train.py"], nprocs=2, port=free_port())
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_stop_children() -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP to the launcher raise, so its children get stopped too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Interrupted(signum)
+
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
 def launch(
     command: Sequence[str],
     *,
     nprocs: int,
     devices_per_proc: int = 1,
-    port: int = 23456,
+    port: int | None = None,
     env: Mapping[str, str] | None = None,
     timeout: int | float | None = None,
 ) -> int:
     """Run `command` as `nprocs` local processes of `devices_per_proc` simulated CPU devices.
 
-    Output lines are prefixed with the rank. When one process fails the others are
-    killed; the result is the first non-zero exit code (0 when all succeed). No
-    process outlives the call.
+    Output lines are prefixed with the rank. When one process fails, the launcher
+    says which (on stderr) and stops the others; the result is that first
+    non-zero exit code (0 when all succeed, minus the signal number for a process
+    killed by a signal). No process outlives the call, also when the launcher
+    itself gets SIGTERM, SIGINT or SIGHUP.
 
     Args:
         command: the program and its arguments, e.g. `["python", "train.py"]`.
         nprocs: how many processes.
         devices_per_proc: simulated CPU devices in each.
-        port: the coordinator's port on 127.0.0.1.
+        port: the coordinator's port on 127.0.0.1; a free one by default.
         env: extra environment variables for every process.
-        timeout: seconds after which everything is killed and 124 returned.
+        timeout: seconds after which everything is stopped and 124 returned.
 
     Returns:
         The exit code.
+
+    Example:
+        >>> launch(["python", "train.py"], nprocs=2, devices_per_proc=4)
+        0
     """
     if nprocs < 1 or devices_per_proc < 1:
         raise ValueError("launch needs nprocs >= 1 and devices_per_proc >= 1.")
     if not command:
         raise ValueError("launch needs a command to run, e.g. ['python', 'train.py'].")
+    port = free_port() if port is None else port
     procs: list[subprocess.Popen[bytes]] = []
     lock = threading.Lock()
 
@@ -255,43 +558,59 @@ def launch(
                 sys.stdout.write(f"[{rank}] {raw.decode(errors='replace')}")
                 sys.stdout.flush()
 
+    def say(message: str) -> None:
+        with lock:
+            sys.stdout.flush()
+            sys.stderr.write(f"redcoast launch: {message}\n")
+            sys.stderr.flush()
+
     base = {**os.environ, **(env or {})}
-    for rank in range(nprocs):
-        child = {
-            **base,
-            ENV_ADDRESS: f"127.0.0.1:{port}",
-            ENV_NPROCS: str(nprocs),
-            ENV_RANK: str(rank),
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
-        }
-        procs.append(
-            subprocess.Popen(
-                list(command),
-                env=child,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    pumps = [threading.Thread(target=pump, args=(r, p), daemon=True) for r, p in enumerate(procs)]
-    for t in pumps:
-        t.start()
-    deadline = None if timeout is None else time.monotonic() + timeout
+    pumps: list[threading.Thread] = []
     code = 0
     try:
-        while True:
-            states = [p.poll() for p in procs]
-            failed = [c for c in states if c not in (None, 0)]
-            if failed:
-                code = failed[0]
-                break
-            if all(c == 0 for c in states):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                code = 124
-                break
-            time.sleep(0.05)
+        with _signals_stop_children():
+            for rank in range(nprocs):
+                child = {
+                    **base,
+                    ENV_ADDRESS: f"127.0.0.1:{port}",
+                    ENV_NPROCS: str(nprocs),
+                    ENV_RANK: str(rank),
+                    "JAX_PLATFORMS": "cpu",
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
+                }
+                procs.append(
+                    subprocess.Popen(
+                        list(command),
+                        env=child,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+                pumps.append(threading.Thread(target=pump, args=(rank, procs[-1]), daemon=True))
+                pumps[-1].start()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                states = [p.poll() for p in procs]
+                failed = [(r, c) for r, c in enumerate(states) if c not in (None, 0)]
+                if failed:
+                    rank, code = failed[0]
+                    others = sum(c is None for c in states)
+                    say(
+                        f"process {rank} {_describe(code)} first; stopping the other "
+                        f"{others} running process{'es' if others != 1 else ''}."
+                    )
+                    break
+                if all(c == 0 for c in states):
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    code = 124
+                    say(f"timed out after {timeout:g} s; stopping all {nprocs} processes.")
+                    break
+                time.sleep(0.05)
+    except _Interrupted as stop:
+        code = -stop.signum
+        say(f"got {stop}; stopping all {nprocs} processes.")
     finally:
         _kill_all(procs)
         for t in pumps:
@@ -303,6 +622,7 @@ def launch(
 
 
 def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process group still running, then SIGKILL what is left after 5 s."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):

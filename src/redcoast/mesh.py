@@ -7,6 +7,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from .distributed import initialize
+
 DATA: str = "data"
 MODEL: str = "model"
 
@@ -23,6 +25,11 @@ def make_mesh(n_model_shards: int = 1, *, devices: Sequence[Any] | None = None) 
     axis, so tensor-parallel collectives stay inside a host whenever
     `n_model_shards` is at most the number of local devices.
 
+    It first starts JAX's distributed runtime when the environment asks for
+    several processes (`redcoast launch`, SLURM, `REDCOAST_*`; see
+    `redcoast.distributed.initialize`), so the mesh spans every process. Build
+    the mesh before anything else touches devices.
+
     Args:
         n_model_shards: how many pieces each weight is split into. Must divide
             the number of devices.
@@ -32,11 +39,16 @@ def make_mesh(n_model_shards: int = 1, *, devices: Sequence[Any] | None = None) 
         A `jax.sharding.Mesh` of shape `(n_devices // n_model_shards, n_model_shards)`
         with `Auto` axis types (which Equinox layers need).
 
+    Raises:
+        RuntimeError: the environment asks for several processes but JAX already
+            started in single-process mode (something touched devices first).
+
     Example:
         >>> mesh = make_mesh(n_model_shards=2)   # 8 devices -> 4 x 2
         >>> dict(mesh.shape)
         {'data': 4, 'model': 2}
     """
+    initialize()  # a no-op for a single process, and once started
     devs = list(jax.devices() if devices is None else devices)
     n = len(devs)
     if n == 0:
