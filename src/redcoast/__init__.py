@@ -7,6 +7,7 @@ split into; redcoast builds the mesh, splits every weight, and runs the steps.
 from importlib.metadata import PackageNotFoundError, version
 
 from . import distributed as distributed
+from . import models as models
 from .checkpoint import Checkpoint as Checkpoint
 from .checkpoint import CheckpointError as CheckpointError
 from .checkpoint import latest_checkpoint as latest_checkpoint

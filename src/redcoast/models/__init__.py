@@ -1,9 +1,31 @@
-"""Equinox models and the blocks they share."""
+"""Equinox models and the blocks they share.
 
+The decoder zoo -- `GPT2`, `Llama`, `OPT`, `GPTJ` -- loads from and saves to Hugging
+Face `transformers` folders (`from_hf`, `to_hf`) and generates with a key/value
+cache (`generate`). The tiny reference models are what tests and benchmarks split.
+"""
+
+from .auto import ARCHITECTURES as ARCHITECTURES
+from .auto import from_hf as from_hf
+from .causal_lm import AbstractCausalLM as AbstractCausalLM
+from .generation import generate as generate
+from .gpt2 import GPT2 as GPT2
+from .gpt2 import GPT2Config as GPT2Config
+from .gptj import GPTJ as GPTJ
+from .gptj import GPTJConfig as GPTJConfig
+from .hf import HFConfig as HFConfig
+from .hf import MissingTensorError as MissingTensorError
 from .layers import MLP as MLP
 from .layers import Attention as Attention
+from .layers import DecoderBlock as DecoderBlock
+from .layers import KVCache as KVCache
 from .layers import SwiGLU as SwiGLU
+from .layers import activation as activation
 from .layers import rotate as rotate
+from .llama import Llama as Llama
+from .llama import LlamaConfig as LlamaConfig
+from .opt import OPT as OPT
+from .opt import OPTConfig as OPTConfig
 from .tiny import DeepMLP as DeepMLP
 from .tiny import TinyGPT as TinyGPT
 from .tiny import TinyGPTJ as TinyGPTJ

@@ -4,6 +4,11 @@ Each block works on one unbatched sequence, Equinox style; batch with `jax.vmap`
 Projections are plain `eqx.nn.Linear` layers named like Hugging Face's
 (`q_proj`, `k_proj`, `v_proj`, `o_proj`), which is what `redcoast.sharding_rules`
 recognises as attention.
+
+The decoder zoo (GPT-2, LLaMA, OPT, GPT-J) is these blocks arranged differently:
+`DecoderBlock` is serial (`x + attn(norm(x))`, then `x + mlp(norm(x))`) or, without
+a second norm, GPT-J's parallel `x + attn(h) + mlp(h)`. Attention has a cached path
+(`Attention.cached`) that writes keys and values into a `KVCache` for generation.
 """
 
 import math
@@ -12,12 +17,54 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jax.typing import DTypeLike
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
+
+
+def gelu(x: Array) -> Array:
+    """The exact GELU (Hendrycks & Gimpel 2016), `x * Phi(x)`; Hugging Face's `"gelu"`."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+def gelu_tanh(x: Array) -> Array:
+    """GELU's tanh approximation; Hugging Face's `"gelu_new"` (GPT-2, GPT-J)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+# Named module-level functions (not lambdas or partials) so that two models built
+# from the same config compare equal as static pytree data and share compilations.
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu": gelu,
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_fast": gelu_tanh,
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+
+
+def activation(name: str) -> Callable[[Array], Array]:
+    """The activation function Hugging Face configs call `name` (`"gelu_new"`, `"silu"`, ...).
+
+    Args:
+        name: the `activation_function` / `hidden_act` string of a config.json.
+
+    Returns:
+        The function.
+
+    Example:
+        >>> activation("relu")(jnp.array([-1.0, 2.0]))
+        Array([0., 2.], dtype=float32)
+    """
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}.")
+    return ACTIVATIONS[name]
 
 
 def rotate(
     x: Float[Array, "seq heads head_dim"],
-    positions: Float[Array, " seq"],
+    positions: Real[Array, " seq"],
     *,
     rotary_dim: int,
     base: float = 10000.0,
@@ -52,11 +99,39 @@ def rotate(
     return jnp.concatenate([rotated, rest], axis=-1)
 
 
+class KVCache(eqx.Module):
+    """Keys and values of one attention layer for the tokens seen so far.
+
+    Slot `i` holds position `i` of the sequence; slots not yet written are zeros and
+    masked out. With scanned (stacked) layers both arrays carry a leading layer axis.
+    """
+
+    key: Float[Array, "*layers max_len kv_heads head_dim"]
+    value: Float[Array, "*layers max_len kv_heads head_dim"]
+
+
 class Attention(eqx.Module):
     """Causal multi-head attention with grouped-query heads and optional rotary positions.
 
     Q, K and V are split into heads right after their projection, which is where the
     sharding rules read the head count from.
+
+    Args:
+        hidden_size: width of the input and output.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention); default `num_heads`.
+        head_dim: width of one head; default `hidden_size // num_heads`.
+        rotary_dim: features of each head rotated by RoPE; 0 for no rotary positions.
+        rope_base: RoPE's frequency base (`rope_theta`).
+        rope_interleaved: rotate pairs `(0, 1), (2, 3), ...` (GPT-J) instead of halves.
+        qkv_bias: Q, K and V projections have biases.
+        out_bias: the output projection has a bias.
+        key: for the initialisation.
+
+    Example:
+        >>> attn = Attention(32, 4, num_kv_heads=2, rotary_dim=8, key=jax.random.key(0))
+        >>> attn(jnp.ones((10, 32))).shape
+        (10, 32)
     """
 
     q_proj: eqx.nn.Linear
@@ -103,29 +178,89 @@ class Attention(eqx.Module):
         self.rope_interleaved = rope_interleaved
 
     def __call__(
-        self, x: Float[Array, "seq hidden"], positions: Float[Array, " seq"] | None = None
+        self, x: Float[Array, "seq hidden"], positions: Real[Array, " seq"] | None = None
     ) -> Float[Array, "seq hidden"]:
+        """Attend causally within `x`; `positions` default to `0, 1, ..., seq - 1`."""
+        seq = x.shape[0]
+        pos = jnp.arange(seq) if positions is None else positions
+        q, k, v = self._qkv(x, pos)
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        return self._attend(q, k, v, causal)
+
+    def cached(
+        self,
+        x: Float[Array, "seq hidden"],
+        positions: Real[Array, " seq"],
+        cache: KVCache,
+        index: Int[Array, ""] | int,
+    ) -> tuple[Float[Array, "seq hidden"], KVCache]:
+        """Attend from `x` to everything cached so far plus `x` itself, and cache `x`'s keys.
+
+        Args:
+            x: the new tokens' hidden states (the whole prompt, or one token per step).
+            positions: their positions, for rotary embeddings.
+            cache: keys and values of earlier tokens, in slots `[0, index)`.
+            index: the slot of `x[0]`; `x` is written to slots `[index, index + seq)`.
+
+        Returns:
+            The attention output and the cache with `x`'s keys and values written.
+        """
+        seq = x.shape[0]
+        q, k, v = self._qkv(x, positions)
+        keys = jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype), index, 0)
+        values = jax.lax.dynamic_update_slice_in_dim(
+            cache.value, v.astype(cache.value.dtype), index, 0
+        )
+        # Query t sits in slot index + t and sees slots up to its own; later slots are
+        # empty (zeros) and must not be attended to.
+        slots = jnp.arange(keys.shape[0])
+        visible = slots[None, :] <= (index + jnp.arange(seq))[:, None]
+        out = self._attend(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
+        return out, KVCache(keys, values)
+
+    def init_cache(self, max_len: int, dtype: DTypeLike) -> KVCache:
+        """An empty cache of `max_len` slots for this layer's keys and values."""
+        shape = (max_len, self.num_kv_heads, self.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def _qkv(
+        self, x: Float[Array, "seq hidden"], positions: Real[Array, " seq"]
+    ) -> tuple[
+        Float[Array, "seq heads head_dim"],
+        Float[Array, "seq kv_heads head_dim"],
+        Float[Array, "seq kv_heads head_dim"],
+    ]:
+        # Split into heads right after each projection: the sharding rules read the
+        # head count from this reshape.
         seq = x.shape[0]
         q = jax.vmap(self.q_proj)(x).reshape(seq, self.num_heads, self.head_dim)
         k = jax.vmap(self.k_proj)(x).reshape(seq, self.num_kv_heads, self.head_dim)
         v = jax.vmap(self.v_proj)(x).reshape(seq, self.num_kv_heads, self.head_dim)
         if self.rotary_dim:
-            pos = jnp.arange(seq, dtype=jnp.float32) if positions is None else positions
-            q = self._rotate(q, pos)
-            k = self._rotate(k, pos)
+            q = self._rotate(q, positions)
+            k = self._rotate(k, positions)
+        return q, k, v
+
+    def _attend(
+        self,
+        q: Float[Array, "seq heads head_dim"],
+        k: Float[Array, "kv_seq kv_heads head_dim"],
+        v: Float[Array, "kv_seq kv_heads head_dim"],
+        visible: Bool[Array, "seq kv_seq"],
+    ) -> Float[Array, "seq hidden"]:
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k = jnp.repeat(k, group, axis=1)
             v = jnp.repeat(v, group, axis=1)
         scores = jnp.einsum("thd,shd->hts", q, k) / math.sqrt(self.head_dim)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal[None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+        # Softmax in float32 whatever the weights' dtype, as every HF implementation does.
+        scores = jnp.where(visible[None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("hts,shd->thd", weights, v).reshape(seq, self.num_heads * self.head_dim)
+        out = jnp.einsum("hts,shd->thd", weights, v).reshape(q.shape[0], -1)
         return jax.vmap(self.o_proj)(out)
 
     def _rotate(
-        self, x: Float[Array, "seq heads head_dim"], positions: Float[Array, " seq"]
+        self, x: Float[Array, "seq heads head_dim"], positions: Real[Array, " seq"]
     ) -> Float[Array, "seq heads head_dim"]:
         return rotate(
             x,
@@ -172,13 +307,80 @@ class SwiGLU(eqx.Module):
     down_proj: eqx.nn.Linear
     gate_proj: eqx.nn.Linear
     up_proj: eqx.nn.Linear
+    activation: Callable[[Array], Array] = eqx.field(static=True)
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, key: PRNGKeyArray):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        activation: Callable[[Array], Array] = jax.nn.silu,
+        use_bias: bool = False,
+        key: PRNGKeyArray,
+    ):
         kd, kg, ku = jax.random.split(key, 3)
-        self.down_proj = eqx.nn.Linear(intermediate_size, hidden_size, use_bias=False, key=kd)
-        self.gate_proj = eqx.nn.Linear(hidden_size, intermediate_size, use_bias=False, key=kg)
-        self.up_proj = eqx.nn.Linear(hidden_size, intermediate_size, use_bias=False, key=ku)
+        self.down_proj = eqx.nn.Linear(intermediate_size, hidden_size, use_bias=use_bias, key=kd)
+        self.gate_proj = eqx.nn.Linear(hidden_size, intermediate_size, use_bias=use_bias, key=kg)
+        self.up_proj = eqx.nn.Linear(hidden_size, intermediate_size, use_bias=use_bias, key=ku)
+        self.activation = activation
 
     def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-        gate = jax.nn.silu(jax.vmap(self.gate_proj)(x))
+        gate = self.activation(jax.vmap(self.gate_proj)(x))
         return jax.vmap(self.down_proj)(gate * jax.vmap(self.up_proj)(x))
+
+
+Norm = eqx.nn.LayerNorm | eqx.nn.RMSNorm
+
+
+class DecoderBlock(eqx.Module):
+    """A pre-norm decoder layer, serial or parallel.
+
+    Serial (GPT-2, OPT, LLaMA): `x + attn(attn_norm(x))`, then `x + mlp(mlp_norm(x))`.
+    Parallel (GPT-J, `mlp_norm=None`): `x + attn(h) + mlp(h)` with `h = attn_norm(x)`.
+
+    Attributes:
+        attn_norm: the norm before attention (and, in a parallel block, before the MLP).
+        attn: the self-attention.
+        mlp_norm: the norm before the MLP; `None` for a parallel block.
+        mlp: the feed-forward network.
+
+    Example:
+        >>> k1, k2 = jax.random.split(jax.random.key(0))
+        >>> block = DecoderBlock(eqx.nn.LayerNorm(32), Attention(32, 4, key=k1),
+        ...                      eqx.nn.LayerNorm(32), MLP(32, 128, key=k2))
+        >>> y, _ = block(jnp.ones((10, 32)), jnp.arange(10))
+    """
+
+    attn_norm: Norm
+    attn: Attention
+    mlp_norm: Norm | None
+    mlp: MLP | SwiGLU
+
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        positions: Real[Array, " seq"],
+        cache: KVCache | None = None,
+        index: Int[Array, ""] | int = 0,
+    ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
+        """Run the layer on one sequence.
+
+        Args:
+            x: hidden states.
+            positions: the position of each token, for rotary embeddings.
+            cache: keys and values of earlier tokens; `None` to attend within `x` only.
+            index: with a cache, the slot of `x[0]` (see `Attention.cached`).
+
+        Returns:
+            The new hidden states, and the cache with `x`'s keys and values written
+            (`None` without a cache).
+        """
+        h = jax.vmap(self.attn_norm)(x)
+        if cache is None:
+            attn = self.attn(h, positions)
+        else:
+            attn, cache = self.attn.cached(h, positions, cache, index)
+        if self.mlp_norm is None:
+            return x + attn + self.mlp(h), cache
+        x = x + attn
+        return x + self.mlp(jax.vmap(self.mlp_norm)(x)), cache

@@ -239,25 +239,34 @@ _COLUMN = (
     "lm_head",
 )
 _ROW = ("output_proj", "o_proj", "fc_out", "down_proj")
+_TOKEN_EMBEDDINGS = ("embed", "embed_tokens")
+
+
+def _first_attention(model: eqx.Module) -> eqx.Module | None:
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, tuple):
+        return blocks[0].attn if blocks else None
+    return getattr(blocks, "attn", None)
 
 
 def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
-    """The layout Megatron-LM (Shoeybi et al. 2019) uses, written out by hand for these models.
+    """The layout Megatron-LM (Shoeybi et al. 2019) uses, written out by hand by layer name.
 
     Column-parallel Q/K/V, MLP input and output head (bias split with them), row-parallel
     O and MLP output, a vocabulary-parallel token embedding, and everything else
-    replicated; K/V whose heads do not divide the shards are replicated (Megatron's
-    grouped-query attention with fewer groups than shards). `DeepMLP` alternates
-    column, row, column, ... The reference the sharding rules are checked against.
+    (norms, position tables) replicated; Q or K/V whose heads do not divide the shards
+    are replicated (Megatron's grouped-query attention with fewer groups than shards).
+    Stacked layers (scanned) keep the layout on their trailing axes. `DeepMLP`
+    alternates column, row, column, ... Covers the tiny models and the decoder zoo;
+    the reference the sharding rules are checked against.
     """
-    kv_heads = {}
-    for block in getattr(model, "blocks", ()):
-        attn = block.attn
-        heads = getattr(attn, "num_kv_heads", None) or attn.num_heads
-        kv_heads = {"k_proj": heads, "v_proj": heads, "key_proj": heads, "value_proj": heads}
-    q_heads = {}
-    for block in getattr(model, "blocks", ()):
-        q_heads = {"q_proj": block.attn.num_heads, "query_proj": block.attn.num_heads}
+    attn = _first_attention(model)
+    heads: dict[str, int] = {}
+    if attn is not None:
+        q = attn.num_heads  # pyright: ignore[reportAttributeAccessIssue]
+        kv = getattr(attn, "num_kv_heads", None) or q
+        heads = {"q_proj": q, "query_proj": q}
+        heads.update({name: kv for name in ("k_proj", "v_proj", "key_proj", "value_proj")})
 
     def spec(path: tuple, leaf: Array) -> P:
         names = [str(getattr(k, "name", getattr(k, "idx", k))) for k in path]
@@ -267,15 +276,16 @@ def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
             if kind == "weight":
                 return P(MODEL, None) if column else P(None, MODEL)
             return P(MODEL) if column else P()
-        if names == ["embed", "weight"]:
-            return P(MODEL, None)
-        heads = {**kv_heads, **q_heads}.get(owner)
-        if heads is not None and heads % n_model_shards:
+        if owner in _TOKEN_EMBEDDINGS and kind == "weight" and len(names) == 2:
+            trailing: tuple = (MODEL, None)
+        elif owner in heads and heads[owner] % n_model_shards:
             return P()
-        if owner in _COLUMN:
-            return P(MODEL, None) if kind == "weight" else P(MODEL)
-        if owner in _ROW and kind == "weight":
-            return P(None, MODEL)
-        return P()
+        elif owner in _COLUMN:
+            trailing = (MODEL, None) if kind == "weight" else (MODEL,)
+        elif owner in _ROW and kind == "weight":
+            trailing = (None, MODEL)
+        else:
+            return P()
+        return P(*([None] * (leaf.ndim - len(trailing))), *trailing)
 
     return jax.tree_util.tree_map_with_path(spec, eqx.filter(model, eqx.is_array))

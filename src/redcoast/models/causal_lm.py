@@ -1,0 +1,261 @@
+"""What every decoder-only language model of the zoo shares, written once.
+
+A model is token embeddings (plus learned positions for GPT-2 and OPT), a stack of
+`DecoderBlock`s (a tuple, or one block with stacked arrays run under `lax.scan`),
+a final norm and a vocabulary head (tied to the token embeddings, or its own
+Linear). `AbstractCausalLM` runs that forward pass, the cached forward pass for
+generation, and the Hugging Face import/export; an architecture (`GPT2`, `Llama`,
+`OPT`, `GPTJ`) only builds its fields from its config and says how they map to a
+`transformers` checkpoint (`hf_tensors`).
+"""
+
+import abc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
+
+from . import hf
+from .layers import DecoderBlock, KVCache, Norm
+
+Blocks = tuple[DecoderBlock, ...] | DecoderBlock
+"""The layers: a tuple, or one `DecoderBlock` whose arrays have a leading layer axis."""
+Cache = tuple[KVCache, ...] | KVCache
+"""One `KVCache` per layer, or one stacked `KVCache` for scanned layers."""
+# A TypeVar rather than typing.Self, which beartype rejects on undecorated classes.
+_Model = TypeVar("_Model", bound="AbstractCausalLM")
+
+
+def make_blocks(
+    make: Callable[[PRNGKeyArray], DecoderBlock],
+    n_layers: int,
+    *,
+    scan_layers: bool,
+    key: PRNGKeyArray,
+) -> Blocks:
+    """`n_layers` blocks from `make(key)`: a tuple, or one block with stacked arrays.
+
+    Stacked blocks (`eqx.filter_vmap` over the init) run under `lax.scan`, so a deep
+    model compiles one layer instead of `n_layers`; the sharding rules follow the
+    scan and split every stacked weight on its last two axes.
+
+    Args:
+        make: builds one layer from a key.
+        n_layers: how many.
+        scan_layers: stack them instead of returning a tuple.
+        key: split into one key per layer.
+
+    Returns:
+        The blocks.
+    """
+    keys = jax.random.split(key, n_layers)
+    if scan_layers:
+        return eqx.filter_vmap(make)(keys)
+    return tuple(make(k) for k in keys)
+
+
+class AbstractCausalLM(eqx.Module):
+    """A decoder-only language model: embed, `DecoderBlock`s, final norm, vocabulary head.
+
+    Called on one unbatched sequence of token ids, it returns the logits of the next
+    token at every position; batch it with `jax.vmap`. Concrete models: `GPT2`,
+    `Llama`, `OPT`, `GPTJ`.
+
+    Every concrete model also has a static `config`, its hyperparameters named as in
+    the model's Hugging Face config.json.
+
+    Attributes:
+        embed_tokens: the token embeddings.
+        embed_positions: learned position embeddings, or `None` (rotary models).
+        blocks: the decoder layers.
+        norm: the final norm.
+        lm_head: the vocabulary head, or `None` when it is tied to `embed_tokens`.
+    """
+
+    embed_tokens: eqx.AbstractVar[eqx.nn.Embedding]
+    embed_positions: eqx.AbstractVar[eqx.nn.Embedding | None]
+    blocks: eqx.AbstractVar[Blocks]
+    norm: eqx.AbstractVar[Norm]
+    lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
+
+    config_class: ClassVar[type[hf.HFConfig]]
+    # OPT's position table starts at row 2 (rows 0 and 1 are a fairseq leftover).
+    position_offset: ClassVar[int] = 0
+    # Checkpoint tensors that duplicate another when the head is tied; ignored on load.
+    tied_hf_tensors: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    @abc.abstractmethod
+    def hf_tensors(cls, config: Any) -> list[hf.TensorMap]:
+        """How this architecture's arrays map to a `transformers` checkpoint's tensors."""
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the position table allows; `None` for rotary models."""
+        if self.embed_positions is None:
+            return None
+        return self.embed_positions.num_embeddings - self.position_offset
+
+    def __call__(
+        self, input_ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq vocab"]:
+        """Next-token logits at every position of one sequence.
+
+        Args:
+            input_ids: token ids of one sequence (vmap for a batch).
+            key: accepted for the Equinox calling convention; the models have no
+                dropout, so it is unused.
+
+        Returns:
+            Logits, `(seq, vocab)`.
+        """
+        del key
+        positions = jnp.arange(input_ids.shape[0])
+        x, _ = self._blocks(self._embed(input_ids, positions), positions, None, 0)
+        return self._logits(x)
+
+    def decode(
+        self,
+        input_ids: Int[Array, " seq"],
+        cache: Cache,
+        index: Int[Array, ""] | int,
+    ) -> tuple[Float[Array, "seq vocab"], Cache]:
+        """The forward pass for tokens that continue a cached sequence.
+
+        Args:
+            input_ids: the new tokens (the whole prompt first, then one per step).
+            cache: from `init_cache`, holding the keys and values of positions `< index`.
+            index: the position of `input_ids[0]`.
+
+        Returns:
+            The logits of the new tokens and the cache with their keys and values.
+
+        Example:
+            >>> cache = model.init_cache(max_len=32)
+            >>> logits, cache = model.decode(prompt, cache, 0)
+            >>> logits, cache = model.decode(next_token[None], cache, prompt.shape[0])
+        """
+        positions = index + jnp.arange(input_ids.shape[0])
+        x, new = self._blocks(self._embed(input_ids, positions), positions, cache, index)
+        assert new is not None
+        return self._logits(x), new
+
+    def init_cache(self, max_len: int, dtype: DTypeLike | None = None) -> Cache:
+        """An empty key/value cache for one sequence of up to `max_len` tokens.
+
+        Args:
+            max_len: prompt plus generated tokens.
+            dtype: of the cached keys and values; default: the model's parameter dtype.
+
+        Returns:
+            One `KVCache` per layer (a tuple), or one stacked `KVCache` for scanned layers.
+        """
+        dtype = self.embed_tokens.weight.dtype if dtype is None else dtype
+        if isinstance(self.blocks, DecoderBlock):
+            return eqx.filter_vmap(lambda b: b.attn.init_cache(max_len, dtype))(self.blocks)
+        return tuple(b.attn.init_cache(max_len, dtype) for b in self.blocks)
+
+    def _embed(
+        self, input_ids: Int[Array, " seq"], positions: Int[Array, " seq"]
+    ) -> Float[Array, "seq hidden"]:
+        x = jax.vmap(self.embed_tokens)(input_ids)
+        if self.embed_positions is not None:
+            x = x + jax.vmap(self.embed_positions)(positions + self.position_offset)
+        return x
+
+    def _logits(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
+        h = jax.vmap(self.norm)(x)
+        if self.lm_head is None:
+            return h @ self.embed_tokens.weight.T
+        return jax.vmap(self.lm_head)(h)
+
+    def _blocks(
+        self,
+        x: Float[Array, "seq hidden"],
+        positions: Real[Array, " seq"],
+        cache: Cache | None,
+        index: Int[Array, ""] | int,
+    ) -> tuple[Float[Array, "seq hidden"], Cache | None]:
+        if isinstance(self.blocks, DecoderBlock):
+            assert cache is None or isinstance(cache, KVCache)
+            params, static = eqx.partition(self.blocks, eqx.is_array)
+
+            def body(
+                h: Float[Array, "seq hidden"], layer: tuple[PyTree, KVCache | None]
+            ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
+                p, c = layer
+                return eqx.combine(p, static)(h, positions, c, index)
+
+            return jax.lax.scan(body, x, (params, cache))
+        if cache is None:
+            for block in self.blocks:
+                x, _ = block(x, positions)
+            return x, None
+        assert isinstance(cache, tuple)
+        new = []
+        for block, c in zip(self.blocks, cache, strict=True):
+            x, c = block(x, positions, c, index)
+            assert c is not None
+            new.append(c)
+        return x, tuple(new)
+
+    @classmethod
+    def from_hf(
+        cls: type[_Model],
+        path: str | Path,
+        *,
+        mesh: Mesh | None = None,
+        specs: PyTree | None = None,
+        dtype: DTypeLike | None = None,
+        scan_layers: bool = False,
+    ) -> _Model:
+        """Load a `transformers` `save_pretrained` folder (config.json + safetensors).
+
+        Arrays are read, converted (GPT-2's `(in, out)` Conv1D weights transposed, its
+        fused Q/K/V split) and checked one at a time. With a `mesh`, each is placed
+        straight onto it with its `PartitionSpec`, each device receiving only its
+        slice, so the whole model never sits on one device.
+
+        Args:
+            path: the folder; `model.safetensors`, or shards listed in
+                `model.safetensors.index.json`.
+            mesh: from `rc.make_mesh`; without it arrays go to the default device.
+            specs: a `PartitionSpec` tree (or `ShardingPlan`) for this model, built
+                with the same `scan_layers`; when a mesh is given without specs, the
+                sharding rules derive them from an abstract trace.
+            dtype: cast floating arrays to this dtype; default: as stored.
+            scan_layers: stack the layers' arrays and run them with `lax.scan`.
+
+        Returns:
+            The model.
+
+        Raises:
+            ValueError: config.json describes another architecture or an unsupported
+                variant, or a tensor's shape does not match config.json.
+            MissingTensorError: a tensor the model needs is not in the checkpoint.
+
+        Example:
+            >>> model = rc.models.Llama.from_hf("tiny-llama", mesh=rc.make_mesh(2))
+        """
+        return hf.load(cls, path, mesh=mesh, specs=specs, dtype=dtype, scan_layers=scan_layers)
+
+    def to_hf(self, path: str | Path) -> None:
+        """Write `config.json` and `model.safetensors` that `transformers` loads.
+
+        With several processes every process must call it (split arrays are gathered);
+        process 0 writes.
+
+        Args:
+            path: the folder to write (created if missing).
+
+        Example:
+            >>> model.to_hf("out")
+            >>> transformers.AutoModelForCausalLM.from_pretrained("out")
+        """
+        hf.save(self, path)

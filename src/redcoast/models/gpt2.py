@@ -1,0 +1,136 @@
+"""GPT-2 (Radford et al. 2019): learned positions, pre-LayerNorm, GELU MLP, tied head."""
+
+import dataclasses
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+from jaxtyping import PRNGKeyArray
+
+from . import hf
+from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from .layers import MLP, Attention, DecoderBlock, Norm, activation
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPT2Config(hf.HFConfig):
+    """GPT-2's hyperparameters, named as in `transformers.GPT2Config` (and its config.json).
+
+    Example:
+        >>> config = GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+        >>> model = GPT2(config, key=jax.random.key(0))
+    """
+
+    model_type: ClassVar[str] = "gpt2"
+    architecture: ClassVar[str] = "GPT2LMHeadModel"
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    reorder_and_upcast_attn: bool = False  # changes only the rounding, not the result
+    tie_word_embeddings: bool = True
+    add_cross_attention: bool = False
+
+    def __post_init__(self) -> None:
+        self._require(
+            scale_attn_weights=(self.scale_attn_weights, True),
+            scale_attn_by_inverse_layer_idx=(self.scale_attn_by_inverse_layer_idx, False),
+            add_cross_attention=(self.add_cross_attention, False),
+            tie_word_embeddings=(self.tie_word_embeddings, True),
+        )
+        activation(self.activation_function)
+
+
+class GPT2(AbstractCausalLM):
+    """GPT-2 as an Equinox module, called on one unbatched sequence of token ids.
+
+    Args:
+        config: the hyperparameters.
+        scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
+        key: for the random initialisation.
+
+    Example:
+        >>> config = GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+        >>> model = GPT2(config, key=jax.random.key(0))
+        >>> model(jnp.arange(10)).shape
+        (10, 128)
+        >>> model = GPT2.from_hf("gpt2-folder")  # a transformers save_pretrained folder
+    """
+
+    config: GPT2Config = eqx.field(static=True)
+    embed_tokens: eqx.nn.Embedding
+    embed_positions: eqx.nn.Embedding | None
+    blocks: Blocks
+    norm: Norm
+    lm_head: eqx.nn.Linear | None
+
+    config_class: ClassVar[type[hf.HFConfig]] = GPT2Config
+    tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
+
+    def __init__(self, config: GPT2Config, *, scan_layers: bool = False, key: PRNGKeyArray):
+        c = config
+        kt, kp, kb = jax.random.split(key, 3)
+        eps = c.layer_norm_epsilon
+
+        def block(k: PRNGKeyArray) -> DecoderBlock:
+            ka, km = jax.random.split(k)
+            return DecoderBlock(
+                eqx.nn.LayerNorm(c.n_embd, eps=eps),
+                Attention(c.n_embd, c.n_head, qkv_bias=True, out_bias=True, key=ka),
+                eqx.nn.LayerNorm(c.n_embd, eps=eps),
+                MLP(
+                    c.n_embd,
+                    c.n_inner or 4 * c.n_embd,
+                    activation=activation(c.activation_function),
+                    key=km,
+                ),
+            )
+
+        self.config = config
+        self.embed_tokens = eqx.nn.Embedding(c.vocab_size, c.n_embd, key=kt)
+        self.embed_positions = eqx.nn.Embedding(c.n_positions, c.n_embd, key=kp)
+        self.blocks = make_blocks(block, c.n_layer, scan_layers=scan_layers, key=kb)
+        self.norm = eqx.nn.LayerNorm(c.n_embd, eps=eps)
+        self.lm_head = None
+
+    @classmethod
+    def hf_tensors(cls, config: GPT2Config) -> list[hf.TensorMap]:
+        """GPT-2's checkpoint names; its Linears are `Conv1D`s stored `(in, out)`."""
+        h = "transformer.h.{i}."
+        return [
+            hf.same("transformer.wte.weight", "embed_tokens.weight"),
+            hf.same("transformer.wpe.weight", "embed_positions.weight"),
+            hf.same(h + "ln_1.weight", "attn_norm.weight"),
+            hf.same(h + "ln_1.bias", "attn_norm.bias"),
+            hf.fused_qkv(
+                h + "attn.c_attn.weight",
+                "attn.q_proj.weight",
+                "attn.k_proj.weight",
+                "attn.v_proj.weight",
+                bias=False,
+            ),
+            hf.fused_qkv(
+                h + "attn.c_attn.bias",
+                "attn.q_proj.bias",
+                "attn.k_proj.bias",
+                "attn.v_proj.bias",
+                bias=True,
+            ),
+            hf.conv1d(h + "attn.c_proj.weight", "attn.o_proj.weight"),
+            hf.same(h + "attn.c_proj.bias", "attn.o_proj.bias"),
+            hf.same(h + "ln_2.weight", "mlp_norm.weight"),
+            hf.same(h + "ln_2.bias", "mlp_norm.bias"),
+            hf.conv1d(h + "mlp.c_fc.weight", "mlp.fc_in.weight"),
+            hf.same(h + "mlp.c_fc.bias", "mlp.fc_in.bias"),
+            hf.conv1d(h + "mlp.c_proj.weight", "mlp.fc_out.weight"),
+            hf.same(h + "mlp.c_proj.bias", "mlp.fc_out.bias"),
+            hf.same("transformer.ln_f.weight", "norm.weight"),
+            hf.same("transformer.ln_f.bias", "norm.bias"),
+        ]

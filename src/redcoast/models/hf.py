@@ -1,0 +1,495 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors <-> Equinox models.
+
+A `transformers` `save_pretrained` folder holds `config.json` and either
+`model.safetensors` or shards listed in `model.safetensors.index.json`. Each
+architecture describes how its arrays map to the checkpoint's tensors with a list
+of `TensorMap`s; this module does the rest for all of them:
+
+- `load` builds the model's skeleton with `eqx.filter_eval_shape` (no memory),
+  then reads, converts, checks and places one array at a time, straight onto a
+  mesh when one is given, so host memory is bounded by the largest array and no
+  device ever holds more than its own slices.
+- `save` writes a folder that `transformers.AutoModelForCausalLM.from_pretrained`
+  loads.
+"""
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
+from jaxtyping import PyTree
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from ..mesh import MODEL
+from ..sharding import ShardingPlan, _check_spec, path_str, sharding_rules
+
+SAFETENSORS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class MissingTensorError(KeyError):
+    """A tensor the model needs is not in the checkpoint."""
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ shows the repr of the message, quotes and escapes included.
+        return str(self.args[0])
+
+
+# --------------------------------------------------------------------------- configs
+
+# A TypeVar rather than typing.Self, which beartype rejects on undecorated classes.
+_Config = TypeVar("_Config", bound="HFConfig")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HFConfig:
+    """Base of the architectures' configs: fields named as in Hugging Face's config.json.
+
+    Keys the dataclass does not name (token ids, dropout rates, `transformers_version`,
+    ...) are kept in `extra` as JSON text, so that `to_dict` gives back what
+    `from_dict` read; keeping them as text keeps the config hashable, which it must
+    be as static data of a model.
+    """
+
+    model_type: ClassVar[str] = ""
+    architecture: ClassVar[str] = ""
+    extra: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_dict(cls: type[_Config], values: Mapping[str, Any]) -> _Config:
+        """A config from the parsed `config.json` of a `transformers` model.
+
+        Args:
+            values: the JSON object; keys this config does not name go to `extra`.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: if the config asks for a variant of the architecture that
+                redcoast does not implement (the message names the key).
+
+        Example:
+            >>> GPT2Config.from_dict(json.load(open("gpt2/config.json"))).n_layer
+            12
+        """
+        values = cls._normalise(dict(values))
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in values.items() if k in names}
+        extra = tuple(
+            sorted(
+                (k, json.dumps(v))
+                for k, v in values.items()
+                if k not in names and k not in ("model_type", "architectures")
+            )
+        )
+        return cls(**known, extra=extra)
+
+    @classmethod
+    def from_json(cls: type[_Config], path: str | Path) -> _Config:
+        """A config from a `config.json` file, or the folder holding one."""
+        return cls.from_dict(read_config(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `config.json` object `transformers` reads back into the same model."""
+        out: dict[str, Any] = {k: json.loads(v) for k, v in self.extra}
+        for f in dataclasses.fields(self):
+            if f.name != "extra":
+                out[f.name] = getattr(self, f.name)
+        out["model_type"] = self.model_type
+        out["architectures"] = [self.architecture]
+        return dict(sorted(out.items()))
+
+    @classmethod
+    def _normalise(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Map other spellings of a key onto the field name (overridden per architecture)."""
+        return values
+
+    def get_extra(self, name: str, default: Any = None) -> Any:
+        """A config.json value this config does not name as a field (e.g. `eos_token_id`)."""
+        for k, v in self.extra:
+            if k == name:
+                return json.loads(v)
+        return default
+
+    def _require(self, **settings: tuple[Any, Any]) -> None:
+        """Raise for each `name=(value, supported)` whose value is not the supported one."""
+        for name, (got, want) in settings.items():
+            if got != want:
+                raise ValueError(
+                    f"{type(self).__name__}: {name}={got!r} is not supported (only "
+                    f"{name}={want!r}); this variant of {self.model_type} is not implemented."
+                )
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """Parse `config.json` from a checkpoint folder (or the file itself).
+
+    Args:
+        path: the folder written by `save_pretrained`, or its `config.json`.
+
+    Returns:
+        The JSON object.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"no config.json at {file}; pass the folder written by "
+            "`transformers` `save_pretrained` (or by `model.to_hf`)."
+        )
+    with open(file) as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------- tensor maps
+
+
+def _one(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    return (x,)
+
+
+def _first(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+    return xs[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """How one checkpoint tensor becomes one or more arrays of the model, and back.
+
+    Attributes:
+        hf: the tensor's name in the checkpoint; `{i}` stands for the layer index.
+        ours: dotted paths of the model's arrays it fills. In a per-layer map they are
+            relative to one block (`attn.q_proj.weight`).
+        to_ours: checkpoint tensor -> the arrays of `ours`, in order.
+        to_hf: the arrays of `ours` -> the checkpoint tensor.
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]] = _one
+    to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray] = _first
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+
+def same(hf: str, ours: str) -> TensorMap:
+    """A tensor stored as the model stores it (PyTorch `nn.Linear` is `(out, in)` too)."""
+    return TensorMap(hf, (ours,))
+
+
+def _transpose(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    return (np.ascontiguousarray(x.T),)
+
+
+def _transpose_back(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.ascontiguousarray(xs[0].T)
+
+
+def conv1d(hf: str, ours: str) -> TensorMap:
+    """GPT-2's `Conv1D` weight, stored `(in, out)`: transposed to Equinox's `(out, in)`."""
+    return TensorMap(hf, (ours,), _transpose, _transpose_back)
+
+
+def _split3_weight(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    if x.ndim != 2 or x.shape[1] % 3:
+        raise ValueError(f"expected (in, 3 * out), got shape {x.shape}")
+    return tuple(np.ascontiguousarray(p) for p in np.split(x.T, 3, axis=0))
+
+
+def _join3_weight(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.ascontiguousarray(np.concatenate(xs, axis=0).T)
+
+
+def _split3_bias(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    if x.ndim != 1 or x.shape[0] % 3:
+        raise ValueError(f"expected (3 * out,), got shape {x.shape}")
+    return tuple(np.ascontiguousarray(p) for p in np.split(x, 3, axis=0))
+
+
+def _join3_bias(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.concatenate(xs, axis=0)
+
+
+def fused_qkv(hf: str, q: str, k: str, v: str, *, bias: bool) -> TensorMap:
+    """GPT-2's `c_attn`: Q, K and V in one Conv1D, split into three Linears.
+
+    Separate projections are what the sharding rules recognise as attention, and
+    they let each be split by heads on its own.
+    """
+    if bias:
+        return TensorMap(hf, (q, k, v), _split3_bias, _join3_bias)
+    return TensorMap(hf, (q, k, v), _split3_weight, _join3_weight)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Checkpoint:
+    """The tensors of a save_pretrained folder, single file or sharded, read lazily."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        single, index = folder / SAFETENSORS, folder / INDEX
+        if single.is_file():
+            with safe_open(single, framework="numpy") as f:
+                self.where = dict.fromkeys(f.keys(), single)
+        elif index.is_file():
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.where = {k: folder / v for k, v in weight_map.items()}
+        else:
+            found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+            raise FileNotFoundError(
+                f"{folder} has neither {SAFETENSORS} nor {INDEX} (found {found}); "
+                "save the model with `save_pretrained(path)` (safetensors is the default)."
+            )
+        self._open: dict[Path, Any] = {}
+
+    def get(self, name: str, needed_for: str) -> np.ndarray:
+        file = self.where.get(name)
+        if file is None:
+            raise MissingTensorError(
+                f"the checkpoint in {self.folder} has no tensor {name!r} (needed for "
+                f"{needed_for}); config.json and the safetensors file do not match."
+            )
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="numpy")
+        handle = self._open[file]
+        if name not in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+            raise MissingTensorError(
+                f"{file.name} has no tensor {name!r} although {INDEX} lists it there "
+                f"(needed for {needed_for})."
+            )
+        return handle.get_tensor(name)
+
+
+def _layer_count(model: Any) -> tuple[int, bool]:
+    """How many decoder layers, and whether they are stacked (scanned)."""
+    blocks = model.blocks
+    if isinstance(blocks, tuple):
+        return len(blocks), False
+    leaf = jax.tree_util.tree_leaves(blocks)[0]
+    return int(leaf.shape[0]), True
+
+
+def _sources(
+    maps: list[TensorMap], n_layers: int, stacked: bool
+) -> dict[str, list[tuple[TensorMap, int | None, int]]]:
+    """Our leaf path -> the (map, layer, position in map.ours) pieces it is made of.
+
+    A stacked leaf (scanned layers) is made of one piece per layer.
+    """
+    out: dict[str, list[tuple[TensorMap, int | None, int]]] = {}
+    for m in maps:
+        for j, ours in enumerate(m.ours):
+            if not m.per_layer:
+                out[ours] = [(m, None, j)]
+            elif stacked:
+                out[f"blocks.{ours}"] = [(m, i, j) for i in range(n_layers)]
+            else:
+                for i in range(n_layers):
+                    out[f"blocks.{i}.{ours}"] = [(m, i, j)]
+    return out
+
+
+def _abstract_arrays(skeleton: PyTree) -> PyTree:
+    """The skeleton with zero-stride numpy arrays as leaves: arrays to the sharding rules,
+    which only read shapes and dtypes, at no memory cost."""
+    return jax.tree_util.tree_map(
+        lambda s: (
+            np.broadcast_to(np.zeros((), s.dtype), s.shape)
+            if isinstance(s, jax.ShapeDtypeStruct)
+            else s
+        ),
+        skeleton,
+    )
+
+
+def _shardings(skeleton: PyTree, mesh: Mesh, specs: PyTree | None) -> dict[str, NamedSharding]:
+    """Our leaf path -> where it goes; specs are derived by the rules when not given."""
+    if isinstance(specs, ShardingPlan):
+        specs = specs.specs
+    if specs is None:
+        ids = jnp.zeros((8,), jnp.int32)
+        specs = sharding_rules(
+            _abstract_arrays(skeleton), int(mesh.shape[MODEL]), example_call=lambda m: m(ids)
+        )
+    shapes = {
+        path_str(p): tuple(s.shape)
+        for p, s in jax.tree_util.tree_flatten_with_path(skeleton)[0]
+        if isinstance(s, jax.ShapeDtypeStruct)
+    }
+    flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))
+    given = {path_str(p): s for p, s in flat if isinstance(s, P)}
+    missing = [a for a in shapes if a not in given]
+    if missing:
+        raise ValueError(
+            f"specs has no PartitionSpec for {missing[:5]}; pass the specs of this very model "
+            "(e.g. from rc.sharding_rules on a model built from the same config and "
+            "scan_layers), or specs=None to derive them with the rules."
+        )
+    sizes = {name: int(size) for name, size in mesh.shape.items()}
+    for path, shape in shapes.items():
+        _check_spec(path, shape, given[path], sizes)
+    return {path: NamedSharding(mesh, given[path]) for path in shapes}
+
+
+def load(
+    cls: Any,
+    path: str | Path,
+    *,
+    mesh: Mesh | None = None,
+    specs: PyTree | None = None,
+    dtype: DTypeLike | None = None,
+    scan_layers: bool = False,
+) -> Any:
+    """Read a `save_pretrained` folder into a model of class `cls` (see `from_hf`)."""
+    folder = Path(path)
+    values = read_config(folder)
+    _check_model_type(values, cls, folder)
+    config = cls.config_class.from_dict(values)
+    skeleton = eqx.filter_eval_shape(cls, config, scan_layers=scan_layers, key=jax.random.key(0))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
+    n_layers, stacked = _layer_count(skeleton)
+    sources = _sources(cls.hf_tensors(config), n_layers, stacked)
+    checkpoint = _Checkpoint(folder)
+    shardings = {} if mesh is None else _shardings(skeleton, mesh, specs)
+
+    used: set[str] = set()
+    leaves = []
+    for kp, leaf in flat:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            leaves.append(leaf)
+            continue
+        name = path_str(kp)
+        pieces = sources.get(name)
+        if pieces is None:
+            raise AssertionError(f"{cls.__name__}.hf_tensors does not say where {name} comes from")
+        parts = []
+        for m, layer, j in pieces:
+            hf_name = m.hf if layer is None else m.hf.format(i=layer)
+            used.add(hf_name)
+            tensor = checkpoint.get(hf_name, name)
+            want = tuple(leaf.shape[1:] if layer is not None and stacked else leaf.shape)
+            converted = _convert(m, tensor, hf_name, name, want)[j]
+            if tuple(converted.shape) != want:
+                raise ValueError(
+                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, but config.json "
+                    f"implies {name} of shape {want}; the checkpoint was saved with a "
+                    "different config."
+                )
+            parts.append(converted)
+        host = np.stack(parts) if stacked and pieces[0][1] is not None else parts[0]
+        if dtype is not None and jnp.issubdtype(host.dtype, jnp.floating):
+            host = host.astype(dtype)
+        leaves.append(_place(host, shardings.get(name)))
+    _check_unused(checkpoint, used, cls, folder)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _convert(
+    m: TensorMap, tensor: np.ndarray, hf_name: str, ours: str, want: tuple[int, ...]
+) -> tuple[np.ndarray, ...]:
+    try:
+        return m.to_ours(tensor)
+    except ValueError as err:
+        raise ValueError(
+            f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, which cannot become {ours} "
+            f"of shape {want} ({err}); the checkpoint was saved with a different config."
+        ) from err
+
+
+def _place(host: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
+    if sharding is None:
+        return jnp.asarray(host)
+    # Each device receives only its slice; works with several processes too.
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+# Buffers some transformers versions save next to the weights; they hold no parameters.
+_BUFFERS = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
+
+
+def _check_unused(checkpoint: _Checkpoint, used: set[str], cls: Any, folder: Path) -> None:
+    unused = sorted(
+        k
+        for k in checkpoint.where
+        if k not in used and not _BUFFERS.search(k) and k not in cls.tied_hf_tensors
+    )
+    if unused:
+        raise ValueError(
+            f"the checkpoint in {folder} has tensors {cls.__name__} does not use: "
+            f"{unused[:8]}{'...' if len(unused) > 8 else ''}; config.json (e.g. the number "
+            "of layers or the tied head) does not describe these weights."
+        )
+
+
+def _check_model_type(values: Mapping[str, Any], cls: Any, folder: Path) -> None:
+    got = values.get("model_type")
+    want = cls.config_class.model_type
+    if got != want:
+        raise ValueError(
+            f"config.json in {folder} describes model_type={got!r} "
+            f"(architectures={values.get('architectures')}); {cls.__name__}.from_hf reads "
+            f"model_type={want!r}. rc.models.from_hf picks the class from config.json."
+        )
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _host(x: Any) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def save(model: Any, path: str | Path) -> None:
+    """Write `model` as a folder `transformers` loads (see `to_hf`)."""
+    folder = Path(path)
+    flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
+    arrays = {path_str(p): leaf for p, leaf in flat}
+    n_layers, stacked = _layer_count(model)
+    tensors: dict[str, np.ndarray] = {}
+    for m in type(model).hf_tensors(model.config):
+        hosts = {}
+        for ours in m.ours:
+            if not m.per_layer:
+                hosts[ours] = _host(arrays[ours])
+            elif stacked:
+                hosts[ours] = _host(arrays[f"blocks.{ours}"])
+        for layer in range(n_layers) if m.per_layer else [None]:
+            if layer is None:
+                parts = tuple(hosts[ours] for ours in m.ours)
+            elif stacked:
+                parts = tuple(hosts[ours][layer] for ours in m.ours)
+            else:
+                parts = tuple(_host(arrays[f"blocks.{layer}.{ours}"]) for ours in m.ours)
+            name = m.hf if layer is None else m.hf.format(i=layer)
+            tensors[name] = np.ascontiguousarray(m.to_hf(parts))
+    values = model.config.to_dict()
+    values.pop("torch_dtype", None)
+    values["dtype"] = str(next(iter(tensors.values())).dtype)
+    if jax.process_index() != 0:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "config.json", "w") as f:
+        json.dump(values, f, indent=2, sort_keys=True)
+        f.write("\n")
+    # transformers refuses safetensors files without this metadata.
+    save_file(tensors, folder / SAFETENSORS, metadata={"format": "pt"})

@@ -1,0 +1,144 @@
+"""OPT (Zhang et al. 2022): learned positions offset by 2, pre-LayerNorm, ReLU MLP, tied head."""
+
+import dataclasses
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+from jaxtyping import PRNGKeyArray
+
+from . import hf
+from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from .layers import MLP, Attention, DecoderBlock, Norm, activation
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OPTConfig(hf.HFConfig):
+    """OPT's hyperparameters, named as in `transformers.OPTConfig` (and its config.json).
+
+    Implemented: the pre-LayerNorm models (every OPT but 350m), with
+    `word_embed_proj_dim == hidden_size`.
+
+    Example:
+        >>> config = OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+        ...                    num_attention_heads=4, max_position_embeddings=64,
+        ...                    word_embed_proj_dim=32)
+        >>> model = OPT(config, key=jax.random.key(0))
+    """
+
+    model_type: ClassVar[str] = "opt"
+    architecture: ClassVar[str] = "OPTForCausalLM"
+
+    vocab_size: int = 50272
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    ffn_dim: int = 3072
+    max_position_embeddings: int = 2048
+    num_attention_heads: int = 12
+    activation_function: str = "relu"
+    do_layer_norm_before: bool = True
+    word_embed_proj_dim: int | None = None
+    enable_bias: bool = True
+    layer_norm_elementwise_affine: bool = True
+    tie_word_embeddings: bool = True
+    _remove_final_layer_norm: bool = False
+
+    def __post_init__(self) -> None:
+        self._require(
+            do_layer_norm_before=(self.do_layer_norm_before, True),
+            word_embed_proj_dim=(self.word_embed_proj_dim or self.hidden_size, self.hidden_size),
+            layer_norm_elementwise_affine=(self.layer_norm_elementwise_affine, True),
+            _remove_final_layer_norm=(self._remove_final_layer_norm, False),
+        )
+        activation(self.activation_function)
+
+
+class OPT(AbstractCausalLM):
+    """OPT as an Equinox module, called on one unbatched sequence of token ids.
+
+    Args:
+        config: the hyperparameters.
+        scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
+        key: for the random initialisation.
+
+    Example:
+        >>> config = OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+        ...                    num_attention_heads=4, max_position_embeddings=64)
+        >>> model = OPT(config, key=jax.random.key(0))
+        >>> model(jnp.arange(10)).shape
+        (10, 128)
+    """
+
+    config: OPTConfig = eqx.field(static=True)
+    embed_tokens: eqx.nn.Embedding
+    embed_positions: eqx.nn.Embedding | None
+    blocks: Blocks
+    norm: Norm
+    lm_head: eqx.nn.Linear | None
+
+    config_class: ClassVar[type[hf.HFConfig]] = OPTConfig
+    position_offset: ClassVar[int] = 2
+    tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
+
+    def __init__(self, config: OPTConfig, *, scan_layers: bool = False, key: PRNGKeyArray):
+        c = config
+        kt, kp, kh, kb = jax.random.split(key, 4)
+
+        def block(k: PRNGKeyArray) -> DecoderBlock:
+            ka, km = jax.random.split(k)
+            bias = c.enable_bias
+            return DecoderBlock(
+                eqx.nn.LayerNorm(c.hidden_size),
+                Attention(
+                    c.hidden_size, c.num_attention_heads, qkv_bias=bias, out_bias=bias, key=ka
+                ),
+                eqx.nn.LayerNorm(c.hidden_size),
+                MLP(
+                    c.hidden_size,
+                    c.ffn_dim,
+                    activation=activation(c.activation_function),
+                    use_bias=bias,
+                    key=km,
+                ),
+            )
+
+        self.config = config
+        self.embed_tokens = eqx.nn.Embedding(c.vocab_size, c.hidden_size, key=kt)
+        self.embed_positions = eqx.nn.Embedding(
+            c.max_position_embeddings + self.position_offset, c.hidden_size, key=kp
+        )
+        self.blocks = make_blocks(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
+        self.norm = eqx.nn.LayerNorm(c.hidden_size)
+        self.lm_head = (
+            None
+            if c.tie_word_embeddings
+            else eqx.nn.Linear(c.hidden_size, c.vocab_size, use_bias=False, key=kh)
+        )
+
+    @classmethod
+    def hf_tensors(cls, config: OPTConfig) -> list[hf.TensorMap]:
+        """OPT's checkpoint names; PyTorch Linears are `(out, in)` like Equinox's."""
+        d = "model.decoder."
+        h = d + "layers.{i}."
+        kinds = ("weight", "bias") if config.enable_bias else ("weight",)
+        maps = [
+            hf.same(d + "embed_tokens.weight", "embed_tokens.weight"),
+            hf.same(d + "embed_positions.weight", "embed_positions.weight"),
+            hf.same(d + "final_layer_norm.weight", "norm.weight"),
+            hf.same(d + "final_layer_norm.bias", "norm.bias"),
+        ]
+        for kind in ("weight", "bias"):
+            maps.append(hf.same(f"{h}self_attn_layer_norm.{kind}", f"attn_norm.{kind}"))
+            maps.append(hf.same(f"{h}final_layer_norm.{kind}", f"mlp_norm.{kind}"))
+        for theirs, ours in [
+            ("self_attn.q_proj", "attn.q_proj"),
+            ("self_attn.k_proj", "attn.k_proj"),
+            ("self_attn.v_proj", "attn.v_proj"),
+            ("self_attn.out_proj", "attn.o_proj"),
+            ("fc1", "mlp.fc_in"),
+            ("fc2", "mlp.fc_out"),
+        ]:
+            maps.extend(hf.same(f"{h}{theirs}.{kind}", f"{ours}.{kind}") for kind in kinds)
+        if not config.tie_word_embeddings:
+            maps.append(hf.same("lm_head.weight", "lm_head.weight"))
+        return maps

@@ -1,0 +1,310 @@
+"""The decoder zoo against transformers: logits, HF folders in and out, greedy generation.
+
+Each architecture is a tiny random `transformers` model (hidden 32, 2 layers) saved
+with `save_pretrained`; redcoast must reproduce its logits and its greedy tokens,
+and write folders `transformers` reads back. Needs the `hf` extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import redcoast as rc
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+ARCHS = ("gpt2", "llama", "opt", "gptj")
+CLASSES = {"gpt2": "GPT2", "llama": "Llama", "opt": "OPT", "gptj": "GPTJ"}
+IDS = np.random.default_rng(0).integers(2, VOCAB, (2, 12)).astype(np.int32)
+
+
+def hf_config(arch: str) -> object:
+    common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
+    if arch == "gpt2":
+        return transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4, **common)
+    if arch == "llama":
+        return transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **common,
+        )
+    if arch == "opt":
+        return transformers.OPTConfig(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            **common,
+        )
+    return transformers.GPTJConfig(
+        n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, **common
+    )
+
+
+def torch_logits(model: object, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids, dtype=torch.long)).logits.numpy()  # type: ignore[operator]
+
+
+@eqx.filter_jit
+def forward(model: rc.models.AbstractCausalLM, ids: jax.Array) -> jax.Array:
+    return jax.vmap(model)(ids)
+
+
+def random_hf_model(arch: str) -> object:
+    """A transformers model with matrices drawn larger than its own init and norms near 1,
+    so that greedy tokens vary instead of repeating one, and a wrong mapping shows."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.5)
+            elif name.endswith("weight"):  # a norm's scale
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """arch -> (save_pretrained folder, the transformers model), each made once."""
+    made: dict[str, tuple[Path, object]] = {}
+
+    def get(arch: str) -> tuple[Path, object]:
+        if arch not in made:
+            folder = tmp_path_factory.mktemp(arch)
+            model = random_hf_model(arch)
+            model.save_pretrained(folder)  # type: ignore[attr-defined]
+            made[arch] = (folder, model)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(params=ARCHS)
+def checkpoint(request: pytest.FixtureRequest, checkpoints) -> tuple[str, Path, object]:
+    return (request.param, *checkpoints(request.param))
+
+
+# ----------------------------------------------------------------------------- logits
+
+
+def test_from_hf_logits_equal_transformers(checkpoint) -> None:
+    arch, folder, hf_model = checkpoint
+    want = torch_logits(hf_model, IDS)
+    model = rc.models.from_hf(folder)
+    assert type(model).__name__ == CLASSES[arch]
+    assert isinstance(model, getattr(rc.models, CLASSES[arch]))
+    got = np.asarray(forward(model, jnp.asarray(IDS)))
+    assert got.shape == (2, 12, VOCAB)
+    assert np.abs(got - want).max() <= 1e-4
+    if arch == "llama":
+        # The scanned forward pass is shared code; the stacked loading of every
+        # architecture is checked by the round trip below.
+        scanned = rc.models.Llama.from_hf(folder, scan_layers=True)
+        assert isinstance(scanned.blocks, rc.models.DecoderBlock)
+        assert np.abs(np.asarray(forward(scanned, jnp.asarray(IDS))) - want).max() <= 1e-4
+
+
+def test_to_hf_round_trips_through_transformers(checkpoint, tmp_path: Path) -> None:
+    arch, folder, hf_model = checkpoint
+    want = torch_logits(hf_model, IDS)
+    for scan_layers in (False, True):
+        out = tmp_path / f"scan-{scan_layers}"
+        rc.models.from_hf(folder, scan_layers=scan_layers).to_hf(out)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        assert type(reloaded) is type(hf_model)
+        np.testing.assert_allclose(torch_logits(reloaded, IDS), want, rtol=0, atol=1e-5)
+    assert set(load_file(out / "model.safetensors")) == set(load_file(folder / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text())["model_type"] == arch
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def hf_greedy(hf_model: object, prompt: np.ndarray, n: int, eos: int) -> list[int]:
+    ids = torch.tensor(prompt[None], dtype=torch.long)
+    with torch.no_grad():
+        out = hf_model.generate(  # type: ignore[attr-defined]
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+    new = out[0, len(prompt) :].tolist()
+    return new + [eos] * (n - len(new))  # transformers stops early once every row is done
+
+
+def test_greedy_generation_equals_transformers(checkpoint) -> None:
+    _, folder, hf_model = checkpoint
+    model = rc.models.from_hf(folder)
+    # Ragged prompts: the second is 7 tokens, right-padded to 12.
+    lengths = np.array([12, 7], np.int32)
+    n = 8
+    free = hf_greedy(hf_model, IDS[0], n, eos=1)
+    assert len(set(free)) > 2, f"degenerate model: {free}"
+    # An eos the first row reaches at step 3, so stopping is exercised too.
+    eos = free[2]
+    want = [hf_greedy(hf_model, IDS[i, : lengths[i]], n, eos) for i in range(2)]
+    assert want[0][2:] == [eos] * (n - 2)
+    got = rc.models.generate(
+        model, jnp.asarray(IDS), prompt_lengths=lengths, max_new_tokens=n, eos_id=eos
+    )
+    assert np.asarray(got).tolist() == want
+
+
+def test_greedy_equals_step_by_step_argmax_without_cache(checkpoints) -> None:
+    # LLaMA: rotary positions and grouped K/V in the cache. Loaded rather than built:
+    # loading compiles nothing, and the (2, 12) forward pass is already compiled.
+    model = rc.models.from_hf(checkpoints("llama")[0])
+    prompt = jnp.asarray(IDS[:, :5])
+    cached = rc.models.generate(model, prompt, max_new_tokens=7)
+    uncached = rc.models.generate(model, prompt, max_new_tokens=7, use_cache=False)
+    assert cached.tolist() == uncached.tolist()
+    # Step by step without a cache, the argmax at position t of the whole sequence is
+    # token t + 1 (a causal model's logits at t see only tokens <= t): one forward pass
+    # checks every step.
+    logits = forward(model, jnp.concatenate([prompt, cached], axis=1))
+    assert jnp.argmax(logits[:, 4:-1], axis=-1).tolist() == cached.tolist()
+
+
+def test_sampling_settings(checkpoints) -> None:
+    model = rc.models.from_hf(checkpoints("llama")[0])
+    prompts = jnp.asarray(IDS[:, :8])
+    key = jax.random.key(1)
+    nucleus = rc.models.generate(
+        model, prompts, max_new_tokens=4, temperature=1.0, top_p=1e-6, key=key
+    )
+    hot = [
+        rc.models.generate(model, prompts, max_new_tokens=4, temperature=5.0, top_k=3, key=k)
+        for k in (key, key, jax.random.key(2))
+    ]
+    assert hot[0].tolist() == hot[1].tolist() and hot[0].tolist() != hot[2].tolist()
+    # Teacher-forced logits (position t sees tokens <= t) give each step's candidates.
+    for sample, k in [(nucleus, 1), (hot[0], 3), (hot[2], 3)]:
+        logits = forward(model, jnp.concatenate([prompts, sample], axis=1))[:, 7:-1]
+        top = jax.lax.top_k(logits, k)[1]
+        assert bool(jnp.all(jnp.any(top == sample[..., None], axis=-1)))
+    with pytest.raises(ValueError, match="needs key="):
+        rc.models.generate(model, prompts, max_new_tokens=4, temperature=1.0)
+    with pytest.raises(Exception, match=r"(?i)type-check|shape \(batch, prompt_len\)"):
+        rc.models.generate(model, prompts[0], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt_lengths must be in \[1, 8\]"):
+        rc.models.generate(model, prompts, prompt_lengths=jnp.array([8, 9]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        rc.models.generate(model, prompts, max_new_tokens=2, temperature=1.0, top_p=0.0, key=key)
+
+
+def test_generation_beyond_the_position_table_is_an_error(checkpoints) -> None:
+    model = rc.models.from_hf(checkpoints("gpt2")[0])  # 64 positions
+    with pytest.raises(ValueError, match="exceed the 64 positions"):
+        rc.models.generate(model, jnp.asarray(IDS), max_new_tokens=53)
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def test_sharded_checkpoint_index_loads(tmp_path: Path) -> None:
+    hf_model = random_hf_model("llama")
+    hf_model.save_pretrained(tmp_path, max_shard_size="20KB")  # type: ignore[attr-defined]
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    model = rc.models.Llama.from_hf(tmp_path)
+    got = np.asarray(forward(model, jnp.asarray(IDS)))
+    assert np.abs(got - torch_logits(hf_model, IDS)).max() <= 1e-4
+
+
+def test_llama_config_reads_both_rope_spellings() -> None:
+    new = rc.models.LlamaConfig.from_dict(
+        {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}
+    )
+    old = rc.models.LlamaConfig.from_dict({"rope_theta": 500000.0, "rope_scaling": None})
+    assert new.rope_theta == old.rope_theta == 500000.0
+    assert new.to_dict()["rope_parameters"]["rope_theta"] == 500000.0
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def gpt2_folder(checkpoints) -> Path:
+    return checkpoints("gpt2")[0]
+
+
+def copy_folder(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_unsupported_architecture_is_named(gpt2_folder: Path, tmp_path: Path) -> None:
+    folder = copy_folder(gpt2_folder, tmp_path / "bert")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="bert", architectures=["BertForMaskedLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model_type='bert'.*\['gpt2', 'gptj', 'llama', 'opt'\]"):
+        rc.models.from_hf(folder)
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*rc.models.from_hf picks"):
+        rc.models.Llama.from_hf(gpt2_folder)
+
+
+def test_unsupported_variant_is_named(gpt2_folder: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="rope_type='llama3'"):
+        rc.models.LlamaConfig.from_dict({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    folder = copy_folder(gpt2_folder, tmp_path / "idx")
+    config = json.loads((folder / "config.json").read_text())
+    config["scale_attn_by_inverse_layer_idx"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx=True is not supported"):
+        rc.models.from_hf(folder)
+
+
+def test_missing_tensor_is_named(gpt2_folder: Path, tmp_path: Path) -> None:
+    folder = copy_folder(gpt2_folder, tmp_path / "missing")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["transformer.h.1.mlp.c_fc.bias"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        rc.models.MissingTensorError,
+        match=r"no tensor 'transformer.h.1.mlp.c_fc.bias' \(needed for blocks.1.mlp.fc_in.bias\)",
+    ):
+        rc.models.from_hf(folder)
+
+
+def test_shape_mismatch_is_named(gpt2_folder: Path, tmp_path: Path) -> None:
+    folder = copy_folder(gpt2_folder, tmp_path / "shape")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["transformer.h.0.mlp.c_proj.weight"] = np.zeros((100, 32), np.float32)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError,
+        match=r"'transformer.h.0.mlp.c_proj.weight' has shape \(100, 32\).*"
+        r"blocks.0.mlp.fc_out.weight of shape \(32, 128\)",
+    ):
+        rc.models.from_hf(folder)
+    config = json.loads((gpt2_folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_layer": 1}))
+    (folder / "model.safetensors").write_bytes((gpt2_folder / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"does not use: \['transformer.h.1"):
+        rc.models.from_hf(folder)
