@@ -14,7 +14,7 @@ SIMULATED = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATF
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,hf]")
     session.run("pytest", "-m", "not slow", *session.posargs, env=SIMULATED)
 
 
