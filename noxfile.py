@@ -1,4 +1,5 @@
-"""Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s lint`, `nox -s bench`."""
+"""Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s lint`, `nox -s multihost`,
+`nox -s bench`."""
 
 from pathlib import Path
 
@@ -15,7 +16,14 @@ SIMULATED = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATF
 def tests(session: nox.Session) -> None:
     """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
     session.install("-e", ".[test,hf]")
-    session.run("pytest", "-m", "not slow", *session.posargs, env=SIMULATED)
+    session.run("pytest", "-m", "not slow and not multihost", *session.posargs, env=SIMULATED)
+
+
+@nox.session
+def multihost(session: nox.Session) -> None:
+    """Real multi-process jobs: 2 x 4 and 4 x 2 processes x devices against 1 x 8."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-m", "multihost", "tests/multihost", *session.posargs)
 
 
 @nox.session

@@ -1,0 +1,159 @@
+"""Many processes, one job: `rc.fit` on 2 x 4 and 4 x 2 processes x devices equals 1 x 8.
+
+Every run trains the same small GPT on a 2 x 4 mesh with train_gpt.py; only how
+the 8 devices are spread over processes changes. Run with `nox -s multihost`
+(`pytest -m multihost tests/multihost`); the default test session skips these.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from redcoast.distributed import free_port
+
+pytestmark = pytest.mark.multihost
+
+SCRIPT = Path(__file__).parent / "train_gpt.py"
+TIMEOUT = 600
+LAYOUTS = {"2x4": (2, 4), "4x2": (4, 2)}
+
+
+def _run(command: list[str], env: dict[str, str], log: Path) -> None:
+    """Run `command` to completion; on timeout stop it (and, for a launcher, its children)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # redcoast launch stops its processes on SIGTERM
+            proc.wait(timeout=30)
+            raise
+    assert code == 0, f"{' '.join(command)} exited with {code}:\n{log.read_text()[-5000:]}"
+
+
+def _single(out: Path, *extra: str) -> Path:
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    }
+    for var in ("REDCOAST_COORDINATOR_ADDRESS", "REDCOAST_NUM_PROCESSES", "REDCOAST_PROCESS_ID"):
+        env.pop(var, None)
+    _run([sys.executable, str(SCRIPT), "--out", str(out), *extra], env, out.with_suffix(".log"))
+    return out
+
+
+def _launched(out: Path, nprocs: int, devices: int) -> Path:
+    command = [sys.executable, "-m", "redcoast", "launch", "--nprocs", str(nprocs)]
+    command += ["--devices-per-proc", str(devices), "--port", str(free_port()), "--"]
+    command += [sys.executable, str(SCRIPT), "--out", str(out)]
+    _run(command, dict(os.environ), out.with_suffix(".log"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each layout's run folder, trained once for the whole module."""
+    root = tmp_path_factory.mktemp("multihost")
+    found = {"1x8": _single(root / "1x8")}
+    for name, (nprocs, devices) in LAYOUTS.items():
+        found[name] = _launched(root / name, nprocs, devices)
+    return found
+
+
+def _reports(run: Path) -> list[dict[str, Any]]:
+    files = sorted(run.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(p.read_text()) for p in files]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_process_joins_one_job(runs: dict[str, Path], layout: str) -> None:
+    nprocs, _ = LAYOUTS[layout]
+    reports = _reports(runs[layout])
+    assert [r["process_index"] for r in reports] == list(range(nprocs))
+    for r in reports:
+        assert (r["process_count"], r["device_count"]) == (nprocs, 8)
+        assert r["mesh"] == {"data": 2, "model": 4}
+    log = runs[layout].with_suffix(".log").read_text()
+    # make_mesh started the runtime; only process 0 says so.
+    assert f"[0] redcoast: {nprocs} processes, coordinator 127.0.0.1:" in log
+    assert "[1] redcoast:" not in log
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_losses_equal_a_single_process(runs: dict[str, Path], layout: str) -> None:
+    reference = _reports(runs["1x8"])[0]
+    assert len(reference["losses"]) == 20 and reference["losses"][-1] < reference["losses"][0]
+    for r in _reports(runs[layout]):
+        np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-5)
+        (ours,), (theirs,) = r["eval"], reference["eval"]
+        assert ours["step"] == theirs["step"] == 20
+        np.testing.assert_allclose(ours["eval_nats"], theirs["eval_nats"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_predictions_are_gathered_in_order_on_every_process(
+    runs: dict[str, Path], layout: str
+) -> None:
+    reference = np.load(runs["1x8"] / "preds0.npy")
+    assert reference.shape == (10, 16)  # 10 examples (the last batch padded), 16 tokens
+    nprocs, _ = LAYOUTS[layout]
+    for rank in range(nprocs):
+        preds = np.load(runs[layout] / f"preds{rank}.npy")
+        np.testing.assert_allclose(preds, reference, rtol=1e-5, atol=1e-6)
+
+
+def _rows(layout: tuple[int, int], rank: int) -> slice:
+    """The rows of a 4-row global batch that `rank` holds on the 2 x 4 mesh.
+
+    Data row d of the mesh is devices 4d..4d+3, which belong to the processes
+    4d // devices_per_proc and on; a batch's rows 2d, 2d+1 live on data row d.
+    """
+    _, devices = layout
+    d = rank * devices // 4
+    return slice(2 * d, 2 * d + 2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_process_collates_only_its_rows(runs: dict[str, Path], layout: str) -> None:
+    # The single process collates whole global batches, call by call; each process
+    # of a layout must have made the same calls on exactly its rows of them.
+    reference = _reports(runs["1x8"])[0]["calls"]
+    assert all(len(c) == 4 for c in reference)
+    for rank, r in enumerate(_reports(runs[layout])):
+        assert r["calls"] == [c[_rows(LAYOUTS[layout], rank)] for c in reference]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_process_0_alone_writes(runs: dict[str, Path], layout: str) -> None:
+    run = runs[layout]
+    reference = (runs["1x8"] / "workdir" / "metrics.jsonl").read_text().splitlines()
+    lines = (run / "workdir" / "metrics.jsonl").read_text().splitlines()
+    assert len(reference) >= 21  # 20 steps and one evaluation
+    assert len(lines) == len(reference)  # written once, not once per process
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == []  # no temp dirs
+    assert (run / "ckpt" / "state.json").is_file()
+
+
+def test_a_checkpoint_from_two_processes_loads_in_one(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    loaded = _single(tmp_path / "load", "--load", str(runs["2x4"]))
+    saved = np.load(runs["2x4"] / "arrays.npz")
+    read = np.load(loaded / "arrays.npz")
+    assert sorted(saved.files) == sorted(read.files)
+    assert any(k.startswith("model") for k in saved.files)
+    assert any(k.startswith("opt") for k in saved.files)
+    for key in saved.files:
+        np.testing.assert_array_equal(read[key], saved[key], err_msg=key)
+    assert _reports(loaded)[0]["step"] == 20
+    np.testing.assert_allclose(
+        np.load(loaded / "preds0.npy"), np.load(runs["2x4"] / "preds0.npy"), rtol=1e-5, atol=1e-6
+    )
