@@ -258,6 +258,22 @@ def copy_folder(src: Path, dst: Path) -> Path:
     return dst
 
 
+def test_base_model_names_without_the_prefix_load(gpt2_folder: Path, tmp_path: Path) -> None:
+    # The original GPT-2 and OPT releases were saved from the bare base model.
+    folder = copy_folder(gpt2_folder, tmp_path / "bare")
+    tensors = load_file(folder / "model.safetensors")
+    bare = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    assert "h.0.ln_1.weight" in bare
+    save_file(bare, folder / "model.safetensors", metadata={"format": "pt"})
+    got, want = rc.models.from_hf(folder), rc.models.from_hf(gpt2_folder)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(eqx.filter(got, eqx.is_array)),
+        jax.tree_util.tree_leaves(eqx.filter(want, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_unsupported_architecture_is_named(gpt2_folder: Path, tmp_path: Path) -> None:
     folder = copy_folder(gpt2_folder, tmp_path / "bert")
     config = json.loads((folder / "config.json").read_text())

@@ -89,6 +89,8 @@ class AbstractCausalLM(eqx.Module):
     position_offset: ClassVar[int] = 0
     # Checkpoint tensors that duplicate another when the head is tied; ignored on load.
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ()
+    # What transformers puts before the base model's tensor names (`transformer.h.0...`).
+    hf_base_prefix: ClassVar[str] = ""
 
     @classmethod
     @abc.abstractmethod

@@ -72,6 +72,7 @@ class GPT2(AbstractCausalLM):
     lm_head: eqx.nn.Linear | None
 
     config_class: ClassVar[type[hf.HFConfig]] = GPT2Config
+    hf_base_prefix: ClassVar[str] = "transformer."
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     def __init__(self, config: GPT2Config, *, scan_layers: bool = False, key: PRNGKeyArray):

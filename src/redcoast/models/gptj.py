@@ -70,6 +70,7 @@ class GPTJ(AbstractCausalLM):
     lm_head: eqx.nn.Linear | None
 
     config_class: ClassVar[type[hf.HFConfig]] = GPTJConfig
+    hf_base_prefix: ClassVar[str] = "transformer."
 
     def __init__(self, config: GPTJConfig, *, scan_layers: bool = False, key: PRNGKeyArray):
         c = config

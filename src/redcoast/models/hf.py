@@ -240,10 +240,17 @@ def fused_qkv(hf: str, q: str, k: str, v: str, *, bias: bool) -> TensorMap:
 
 
 class _Checkpoint:
-    """The tensors of a save_pretrained folder, single file or sharded, read lazily."""
+    """The tensors of a save_pretrained folder, single file or sharded, read lazily.
 
-    def __init__(self, folder: Path):
+    Checkpoints of the bare base model (`GPT2Model`, `OPTModel`, ...), such as the
+    original GPT-2 and OPT releases, name their tensors without the base model's
+    prefix (`h.0.ln_1.weight` for `transformer.h.0.ln_1.weight`); both are found.
+    """
+
+    def __init__(self, folder: Path, base_prefix: str):
         self.folder = folder
+        self.base_prefix = base_prefix
+        self.used: set[str] = set()
         single, index = folder / SAFETENSORS, folder / INDEX
         if single.is_file():
             with safe_open(single, framework="numpy") as f:
@@ -261,6 +268,10 @@ class _Checkpoint:
         self._open: dict[Path, Any] = {}
 
     def get(self, name: str, needed_for: str) -> np.ndarray:
+        bare = name.removeprefix(self.base_prefix)
+        if name not in self.where and bare in self.where:
+            name = bare
+        self.used.add(name)
         file = self.where.get(name)
         if file is None:
             raise MissingTensorError(
@@ -367,10 +378,9 @@ def load(
     flat, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
     n_layers, stacked = _layer_count(skeleton)
     sources = _sources(cls.hf_tensors(config), n_layers, stacked)
-    checkpoint = _Checkpoint(folder)
+    checkpoint = _Checkpoint(folder, cls.hf_base_prefix)
     shardings = {} if mesh is None else _shardings(skeleton, mesh, specs)
 
-    used: set[str] = set()
     leaves = []
     for kp, leaf in flat:
         if not isinstance(leaf, jax.ShapeDtypeStruct):
@@ -383,7 +393,6 @@ def load(
         parts = []
         for m, layer, j in pieces:
             hf_name = m.hf if layer is None else m.hf.format(i=layer)
-            used.add(hf_name)
             tensor = checkpoint.get(hf_name, name)
             want = tuple(leaf.shape[1:] if layer is not None and stacked else leaf.shape)
             converted = _convert(m, tensor, hf_name, name, want)[j]
@@ -398,7 +407,7 @@ def load(
         if dtype is not None and jnp.issubdtype(host.dtype, jnp.floating):
             host = host.astype(dtype)
         leaves.append(_place(host, shardings.get(name)))
-    _check_unused(checkpoint, used, cls, folder)
+    _check_unused(checkpoint, cls, folder)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -425,11 +434,11 @@ def _place(host: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
 _BUFFERS = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
 
 
-def _check_unused(checkpoint: _Checkpoint, used: set[str], cls: Any, folder: Path) -> None:
+def _check_unused(checkpoint: _Checkpoint, cls: Any, folder: Path) -> None:
     unused = sorted(
         k
         for k in checkpoint.where
-        if k not in used and not _BUFFERS.search(k) and k not in cls.tied_hf_tensors
+        if k not in checkpoint.used and not _BUFFERS.search(k) and k not in cls.tied_hf_tensors
     )
     if unused:
         raise ValueError(

@@ -95,6 +95,7 @@ class Llama(AbstractCausalLM):
     lm_head: eqx.nn.Linear | None
 
     config_class: ClassVar[type[hf.HFConfig]] = LlamaConfig
+    hf_base_prefix: ClassVar[str] = "model."
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     def __init__(self, config: LlamaConfig, *, scan_layers: bool = False, key: PRNGKeyArray):

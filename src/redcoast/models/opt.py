@@ -77,6 +77,7 @@ class OPT(AbstractCausalLM):
     lm_head: eqx.nn.Linear | None
 
     config_class: ClassVar[type[hf.HFConfig]] = OPTConfig
+    hf_base_prefix: ClassVar[str] = "model."
     position_offset: ClassVar[int] = 2
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
