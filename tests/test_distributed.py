@@ -420,3 +420,19 @@ def test_launch_names_the_dead_process_and_leaves_none(tmp_path: Path) -> None:
     assert "process 1 was killed by SIGKILL first; stopping the other 1 running process" in err
     assert elapsed < 10, f"the launcher took {elapsed:.1f} s"
     _assert_no_process_left(tag)
+
+
+def test_launch_command_line_timeout_stops_everything() -> None:
+    tag = f"sleeper-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    launch = [sys.executable, "-m", "redcoast", "launch", "--nprocs", "2", "--timeout", "1"]
+    result = subprocess.run(
+        [*launch, "--", sys.executable, "-c", "import time; time.sleep(60)", tag],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 124, result.stdout + result.stderr
+    assert "timed out after 1 s; stopping all 2 processes" in result.stderr
+    assert time.monotonic() - started < 30
+    _assert_no_process_left(tag)

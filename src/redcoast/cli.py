@@ -109,22 +109,40 @@ def plan(model: str, n_model_shards: int, no_trace: bool) -> None:
 @click.option(
     "--port",
     type=click.IntRange(1, 65535),
-    default=23456,
-    show_default=True,
-    help="Coordinator port on 127.0.0.1.",
+    default=None,
+    help="Coordinator port on 127.0.0.1  [default: a free port]",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop every process after this many seconds (exit code 124).",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def launch(nprocs: int, devices_per_proc: int, port: int, command: tuple[str, ...]) -> None:
+def launch(
+    nprocs: int,
+    devices_per_proc: int,
+    port: int | None,
+    timeout: float | None,
+    command: tuple[str, ...],
+) -> None:
     """Run COMMAND as NPROCS local processes that form one JAX job.
 
     Example: redcoast launch --nprocs 2 --devices-per-proc 4 -- python train.py
 
-    Output is prefixed with each process's rank; if one fails the rest are stopped
-    and its exit code is returned.
+    Output is prefixed with each process's rank. If one fails, the launcher names
+    it, stops the rest and returns its exit code (128 + N for a process killed by
+    signal N); no process is left behind.
     """
     from .distributed import launch as run
 
-    code = run(list(command), nprocs=nprocs, devices_per_proc=devices_per_proc, port=port)
+    code = run(
+        list(command),
+        nprocs=nprocs,
+        devices_per_proc=devices_per_proc,
+        port=port,
+        timeout=timeout,
+    )
     sys.exit(128 - code if code < 0 else code)
 
 
