@@ -2,7 +2,8 @@
 
 For each model and each n_model_shards in (2, 4, 8) a train step (loss, gradients,
 SGD update) is compiled for the mesh (8/n, n) and the collectives XLA inserted are
-read back from the partitioned HLO. Layouts:
+read back from the partitioned HLO. Models: the tiny reference architectures and the
+decoder zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`) at the same size. Layouts:
 
 - ours:        redcoast.sharding_rules with example_call (the dataflow rules)
 - megatron:    the hand-written Megatron-LM layout (redcoast.models.tiny.megatron_specs)
@@ -13,6 +14,7 @@ Targets: ours/megatron model-axis bytes <= 1.02, no all-gather of a split weight
 per-device parameter bytes <= 1.05 x total / n_model_shards.
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_comm.py
+     (`--models zoo` measures only the models whose name contains "zoo")
 """
 
 from __future__ import annotations
@@ -44,6 +46,38 @@ MODELS: dict[str, Callable[[], eqx.Module]] = {
     "llama-gqa (2 KV heads)": lambda: TinyLlama(512, 256, 4, 8, 2, 688, key=KEY),
     "gptj (parallel block)": lambda: TinyGPTJ(512, 256, 4, 8, key=KEY),
     "deep mlp": lambda: DeepMLP((256, 1024, 1024, 1024, 1024, 256), key=KEY),
+    "zoo gpt2": lambda: rc.models.GPT2(
+        rc.models.GPT2Config(vocab_size=512, n_positions=64, n_embd=256, n_layer=4, n_head=8),
+        key=KEY,
+    ),
+    "zoo llama (2 KV heads)": lambda: rc.models.Llama(
+        rc.models.LlamaConfig(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+        ),
+        key=KEY,
+    ),
+    "zoo opt": lambda: rc.models.OPT(
+        rc.models.OPTConfig(
+            vocab_size=512,
+            hidden_size=256,
+            ffn_dim=1024,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            max_position_embeddings=64,
+        ),
+        key=KEY,
+    ),
+    "zoo gptj": lambda: rc.models.GPTJ(
+        rc.models.GPTJConfig(
+            vocab_size=512, n_positions=64, n_embd=256, n_layer=4, n_head=8, rotary_dim=16
+        ),
+        key=KEY,
+    ),
 }
 
 
@@ -101,6 +135,9 @@ def measure(model: eqx.Module, specs: object, n: int, x: jax.Array) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument(
+        "--models", default="", help="measure only the models whose name contains this"
+    )
     parser.add_argument("--out", default="bench-results/bench_comm.json")
     args = parser.parse_args()
     layouts: dict[str, Callable[[eqx.Module, int, jax.Array], object]] = {
@@ -111,7 +148,10 @@ def main() -> None:
     }
     rows = []
     start = time.perf_counter()
-    for name, make in MODELS.items():
+    chosen = {name: make for name, make in MODELS.items() if args.models in name}
+    if not chosen:
+        parser.error(f"--models {args.models!r} matches none of {list(MODELS)}")
+    for name, make in chosen.items():
         model = make()
         x = batch_for(name)
         for n in args.shards:
