@@ -249,7 +249,7 @@ def initialize(
         local_device_ids: the devices this process drives (default: all it sees).
         heartbeat_timeout_seconds: a peer silent this long is declared lost
             (default `REDCOAST_HEARTBEAT_TIMEOUT`, else `DEFAULT_HEARTBEAT_SECONDS`).
-            Survivors exit within about 1.3 times this.
+            Survivors exit within 1.4 times this.
 
     Returns:
         The `DistributedConfig` used.
@@ -369,7 +369,9 @@ def _watch_peers(config: DistributedConfig, timeout: float) -> None:
 
     Process 0 alone reads every heartbeat (one request per interval, however many
     hosts); when it declares peers lost it records them for the others, which
-    read that one key and stop naming them.
+    read that one key and stop naming them. A peer is declared lost between
+    `timeout` and `timeout + 2 * interval` after its last beat, and every survivor
+    has stopped `2 * interval` later: within 1.4 x `timeout` in all.
     """
     client = _coordination_client()
     rank, n = config.process_id, config.num_processes
@@ -422,9 +424,9 @@ def _watch_peers(config: DistributedConfig, timeout: float) -> None:
                     config,
                     f"{_names(lost)} sent no heartbeat for {timeout:g} s: it died or hung "
                     f"(see its log for why). Set {ENV_HEARTBEAT} to change how long to wait.",
-                    # Process 0 hosts the coordinator: it stays long enough for the
-                    # others to read the verdict before it goes away.
-                    linger=2 * interval if rank == 0 else 0.0,
+                    # Process 0 hosts the coordinator: while others survive, it stays
+                    # long enough for them to read the verdict before it goes away.
+                    linger=2 * interval if rank == 0 and len(lost) < n - 1 else 0.0,
                 )
 
     atexit.register(finish)
@@ -448,10 +450,10 @@ def _exit_fast_on_errors(config: DistributedConfig, timeout: float) -> None:
             sys.stderr.write(
                 f"redcoast: process {config.process_id} of {config.num_processes}: a "
                 "collective failed, most likely because another process died; waiting up "
-                f"to {1.3 * timeout:g} s for the heartbeat check to name it.\n"
+                f"to {1.4 * timeout:g} s for the heartbeat check to name it.\n"
             )
             sys.stderr.flush()
-            time.sleep(1.3 * timeout)  # the heartbeat thread exits the process first
+            time.sleep(1.4 * timeout)  # the heartbeat thread exits the process first
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
