@@ -425,6 +425,37 @@ def test_launch_names_the_dead_process_and_leaves_none(tmp_path: Path) -> None:
     _assert_no_process_left(tag)
 
 
+def test_launch_asks_processes_to_stop_and_they_save_a_checkpoint(tmp_path: Path) -> None:
+    # As when SLURM or a user stops the launcher: fit in every process saves a
+    # checkpoint of the same step and exits; the launcher reports the signal.
+    tag = f"stopped-{uuid.uuid4().hex}"
+    launch = [sys.executable, "-m", "redcoast", "launch", "--nprocs", "2"]
+    launch += ["--devices-per-proc", "2", "--port", str(free_port())]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        launcher = subprocess.Popen(
+            [*launch, "--", sys.executable, str(TRAIN), tag, str(tmp_path / "run")],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        try:
+            _wait_for_training(launcher, prefix="[1] ")
+            launcher.send_signal(signal.SIGTERM)
+            out, _ = launcher.communicate(timeout=120)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.communicate()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert launcher.returncode == 128 + signal.SIGTERM, out[-2000:] + err
+    assert "got SIGTERM; stopping all 2 processes" in err
+    assert re.search(r"\[0\] redcoast: SIGTERM received; stopped after step \d+", out), out[-2000:]
+    saved = sorted((tmp_path / "run" / "ckpts").glob("step_*"))
+    assert len(saved) == 1 and (saved[0] / "state.json").is_file()
+    assert "killing" not in err  # they finished within the grace period
+    _assert_no_process_left(tag)
+
+
 def test_launch_command_line_timeout_stops_everything() -> None:
     tag = f"sleeper-{uuid.uuid4().hex}"
     started = time.monotonic()

@@ -51,6 +51,9 @@ EXIT_PEER_LOST = 75
 """Exit code of a survivor that stops because another process was lost (EX_TEMPFAIL:
 the run can be resumed from its last checkpoint)."""
 
+_FAILURE_GRACE_SECONDS = 5.0
+_STOP_GRACE_SECONDS = 30.0  # SLURM's default KillWait between SIGTERM and SIGKILL
+
 _ALIVE = "redcoast/alive/"
 _LOST = "redcoast/lost/"
 _DONE = "done"
@@ -525,10 +528,13 @@ def launch(
     """Run `command` as `nprocs` local processes of `devices_per_proc` simulated CPU devices.
 
     Output lines are prefixed with the rank. When one process fails, the launcher
-    says which (on stderr) and stops the others; the result is that first
-    non-zero exit code (0 when all succeed, minus the signal number for a process
-    killed by a signal). No process outlives the call, also when the launcher
-    itself gets SIGTERM, SIGINT or SIGHUP.
+    says which (on stderr) and stops the others (SIGTERM, SIGKILL 5 s later); the
+    result is that first non-zero exit code (0 when all succeed, minus the signal
+    number for a process killed by a signal). When the launcher itself gets
+    SIGTERM, SIGINT or SIGHUP, or `timeout` passes, it sends SIGTERM to every
+    process and gives them 30 s to finish (`fit` with a `workdir` saves a
+    checkpoint and exits), then SIGKILL; a second signal kills them at once. No
+    process outlives the call.
 
     Args:
         command: the program and its arguments, e.g. `["python", "train.py"]`.
@@ -569,8 +575,12 @@ def launch(
     base = {**os.environ, **(env or {})}
     pumps: list[threading.Thread] = []
     code = 0
-    try:
-        with _signals_stop_children():
+    # After a failure the others are likely blocked in a collective with the dead
+    # process: no use waiting. After a signal or the timeout they are healthy and
+    # may be saving a checkpoint (fit does on SIGTERM): give them time.
+    grace = _FAILURE_GRACE_SECONDS
+    with _signals_stop_children():
+        try:
             for rank in range(nprocs):
                 child = {
                     **base,
@@ -606,30 +616,40 @@ def launch(
                 if all(c == 0 for c in states):
                     break
                 if deadline is not None and time.monotonic() > deadline:
-                    code = 124
-                    say(f"timed out after {timeout:g} s; stopping all {nprocs} processes.")
+                    code, grace = 124, _STOP_GRACE_SECONDS
+                    say(
+                        f"timed out after {timeout:g} s; stopping all {nprocs} processes "
+                        f"(SIGTERM, then SIGKILL after {grace:g} s)."
+                    )
                     break
                 time.sleep(0.05)
-    except _Interrupted as stop:
-        code = -stop.signum
-        say(f"got {stop}; stopping all {nprocs} processes.")
-    finally:
-        _kill_all(procs)
-        for t in pumps:
-            t.join(timeout=5)
-        for p in procs:
-            if p.stdout is not None:
-                p.stdout.close()
+        except _Interrupted as stop:
+            code, grace = -stop.signum, _STOP_GRACE_SECONDS
+            say(
+                f"got {stop}; stopping all {nprocs} processes (SIGTERM, then SIGKILL after "
+                f"{grace:g} s or at a second signal)."
+            )
+        finally:
+            try:
+                _kill_all(procs, grace)
+            except _Interrupted:
+                say("second signal: killing every process now.")
+                _kill_all(procs, 0.0)
+            for t in pumps:
+                t.join(timeout=5)
+            for p in procs:
+                if p.stdout is not None:
+                    p.stdout.close()
     return code
 
 
-def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every process group still running, then SIGKILL what is left after 5 s."""
+def _kill_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM every process group still running, then SIGKILL what is left after `grace` s."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
-    end = time.monotonic() + 5
+    end = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(timeout=max(0.0, end - time.monotonic()))

@@ -1,10 +1,13 @@
 """Train a small MLP with `rc.fit` for a very long time; a test kills one process.
 
 Every process prints `rank R pid P batch B` as it collates, so the test knows when
-training is under way and which process to kill.
+training is under way and which process to kill. Arguments: a tag (to find the
+processes with pgrep), and optionally a workdir, where fit saves a checkpoint
+when the processes are asked to stop with SIGTERM.
 """
 
 import os
+import sys
 
 import equinox as eqx
 import jax
@@ -43,6 +46,9 @@ rc.fit(
     max_steps=10**9,
     n_epochs=10**9,
     progress=False,
-    log_every=1000,
+    # Processes agree on a SIGTERM at logging steps; without a workdir there is
+    # nothing to save, and fewer logs mean fewer host round trips.
+    log_every=10 if len(sys.argv) > 2 else 1000,
+    workdir=sys.argv[2] if len(sys.argv) > 2 else None,
 )
 print("unreachable: training ended", flush=True)
