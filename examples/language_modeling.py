@@ -89,7 +89,16 @@ def main(
     workdir: str | None = None,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Train, evaluate against the unigram baseline, and print a sample."""
+    """Train, evaluate against the unigram baseline, and print a sample.
+
+    Args:
+        n_model_shards: devices each model is split over; the rest split the batch.
+        per_device_batch_size: windows of 128 bytes per data-parallel device per step.
+        max_steps: optimizer steps.
+        learning_rate: peak AdamW learning rate (warm-up, then cosine decay).
+        workdir: where metrics.jsonl goes.
+        seed: initialisation and shuffling.
+    """
     train, val = load_windows()
     mesh = rc.make_mesh(n_model_shards)
     model = TinyLlama(
@@ -99,7 +108,10 @@ def main(
     plan = rc.sharding_plan(
         model, n_model_shards, example_call=lambda m: loss_fn(m, example, jax.random.key(0))
     )
-    print("\n".join(str(plan).splitlines()[-1:]))
+    report = str(plan).splitlines()
+    n_split = sum(any(e is not None for e in leaf.spec) for leaf in plan.leaves)
+    print(report[0], f"{n_split} of {len(plan.leaves)} arrays split", sep="\n  ")
+    print("  " + next(line for line in report if line.startswith("bytes per device")))
     model = rc.shard(model, mesh, plan.specs)
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max_steps // 10, max_steps)
     optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
@@ -131,7 +143,11 @@ def main(
         f"unigram baseline {baseline:.3f}; {100 * (1 - val_nats / baseline):.0f}% below it"
     )
     print("sample:", repr(sample(result.model, "The for statement")))
-    return {"val_nats_per_byte": val_nats, "unigram_nats_per_byte": baseline}
+    return {
+        "val_nats_per_byte": val_nats,
+        "unigram_nats_per_byte": baseline,
+        "below_unigram": 1 - val_nats / baseline,
+    }
 
 
 if __name__ == "__main__":
