@@ -1,10 +1,15 @@
 """The `redcoast` command: the demo, example runs, and sharding plans."""
 
+import ast
+import dataclasses
 import importlib.util
+import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import click
 
@@ -14,14 +19,21 @@ _TINY = ("gpt", "llama", "gptj", "mlp")
 
 
 def _simulate_devices(n: int) -> None:
-    """Ask for `n` simulated CPU devices; only possible before JAX's backend starts."""
+    """Ask for `n` simulated CPU devices; only possible before JAX's backend starts.
+
+    Asking again for the number the running backend already has is fine (tests run
+    the command in a process whose backend has started).
+    """
     import jax
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as err:  # the backend already started
-        raise click.ClickException(f"cannot simulate {n} devices: {err}") from err
+        if jax.device_count() != n:
+            raise click.ClickException(
+                f"cannot simulate {n} devices: JAX already started with {jax.device_count()}."
+            ) from err
 
 
 def _examples_dir() -> Path:
@@ -35,17 +47,192 @@ def _examples_dir() -> Path:
     )
 
 
+def _example_names() -> list[str]:
+    return sorted(p.stem for p in _examples_dir().glob("*.py") if not p.stem.startswith("_"))
+
+
 def _load_example(name: str) -> ModuleType:
-    path = _examples_dir() / f"{name}.py"
+    """Import `examples/<name>.py`; its folder goes on `sys.path` so examples can share code."""
+    folder = _examples_dir()
+    path = folder / f"{name}.py"
     if not path.is_file():
-        known = sorted(p.stem for p in _examples_dir().glob("*.py") if not p.stem.startswith("_"))
-        raise click.ClickException(f"no example named {name!r}; choose one of {known}.")
+        raise click.ClickException(f"no example named {name!r}; choose one of {_example_names()}.")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(f"redcoast_example_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as err:
+        raise click.ClickException(
+            f"example {name!r} needs the package {err.name!r}; install the examples' "
+            "dependencies with `pip install 'redcoast[examples]'`."
+        ) from err
     return module
+
+
+# ----------------------------------------------------------------------------- redcoast run
+
+# `main`'s annotations, as written, and the click type of each.
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    name: str
+    type: type
+    default: Any
+    help: str
+
+
+def _arg_help(docstring: str) -> dict[str, str]:
+    """The `Args:` section of a Google-style docstring, as `{name: text}`."""
+    lines = docstring.splitlines()
+    stripped = [line.strip() for line in lines]
+    if "Args:" not in stripped:
+        return {}
+    body = []
+    for line in lines[stripped.index("Args:") + 1 :]:
+        if line.strip() and not line.startswith(" "):  # the next section
+            break
+        if line.strip():
+            body.append(line)
+    if not body:
+        return {}
+    indent = min(len(line) - len(line.lstrip()) for line in body)
+    out: dict[str, str] = {}
+    name = ""
+    for line in body:
+        if len(line) - len(line.lstrip()) == indent:
+            head, _, text = line.strip().partition(":")
+            name = head.split()[0]
+            out[name] = text.strip()
+        else:
+            out[name] += " " + line.strip()
+    return out
+
+
+def _describe(path: Path) -> tuple[str, list[_Option]]:
+    """An example's docstring and its `main`'s keyword options, read without importing it.
+
+    Reading the source (not importing the module) keeps `--help` instant and leaves
+    JAX's backend unstarted, so `--devices` can still be applied.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    doc = ast.get_docstring(tree) or ""
+    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    if not mains:
+        raise click.ClickException(f"{path} has no main(...) function to run.")
+    fn = mains[0]
+    args = fn.args.args + fn.args.kwonlyargs
+    defaults = [None] * (len(fn.args.args) - len(fn.args.defaults)) + list(fn.args.defaults)
+    defaults += list(fn.args.kw_defaults)
+    helps = _arg_help(ast.get_docstring(fn) or "")
+    options = []
+    for arg, default in zip(args, defaults, strict=True):
+        if default is None:
+            raise click.ClickException(
+                f"{path.name}: main's argument {arg.arg!r} has no default; every option of an "
+                "example needs one."
+            )
+        annotation = ast.unparse(arg.annotation) if arg.annotation else "str"
+        base = annotation.removesuffix(" | None")
+        if base not in _TYPES:
+            raise click.ClickException(
+                f"{path.name}: main's argument {arg.arg!r} is annotated {annotation!r}; "
+                f"options must be one of {sorted(_TYPES)} (or `... | None`)."
+            )
+        value = ast.literal_eval(default)
+        options.append(_Option(arg.arg, _TYPES[base], value, helps.get(arg.arg, "")))
+    return doc, options
+
+
+def _print_metrics(metrics: Mapping[str, Any]) -> None:
+    width = max(len(k) for k in metrics)
+    click.echo("metrics:")
+    for k, v in metrics.items():
+        click.echo(f"  {k.ljust(width)}  {v:.4g}" if isinstance(v, float) else f"  {k}  {v}")
+
+
+def _run_example(
+    name: str, devices: int, kwargs: dict[str, Any], metrics_json: str | None = None
+) -> dict[str, Any]:
+    """Start `devices` simulated devices, run the example's `main`, print its metrics."""
+    _simulate_devices(devices)
+    module = _load_example(name)
+    try:
+        metrics = module.main(**kwargs)
+    except (ValueError, FloatingPointError) as err:  # raised for bad options by redcoast
+        raise click.ClickException(f"{name}: {err}") from err
+    _print_metrics(metrics)
+    if metrics_json is not None:
+        Path(metrics_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(metrics_json).write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def _example_command(name: str, path: Path) -> click.Command:
+    doc, options = _describe(path)
+    params: list[click.Parameter] = [
+        click.Option(
+            ["--devices"],
+            type=click.IntRange(min=1),
+            default=8,
+            show_default=True,
+            help="Simulated CPU devices (set before JAX starts).",
+        ),
+        click.Option(
+            ["--metrics-json"],
+            type=click.Path(dir_okay=False),
+            help="Also write the metrics main returns to this JSON file.",
+        ),
+    ]
+    for opt in options:
+        flag = "--" + opt.name.replace("_", "-")
+        decls = [f"{flag}/--no-{flag[2:]}" if opt.type is bool else flag, opt.name]
+        params.append(
+            click.Option(
+                decls,
+                type=opt.type,
+                default=opt.default,
+                show_default=opt.default is not None,
+                help=opt.help,
+            )
+        )
+
+    def callback(devices: int, metrics_json: str | None, **kwargs: Any) -> None:
+        _run_example(name, devices, kwargs, metrics_json)
+
+    summary = doc.split("\n\n")[0].replace("\n", " ")
+    return click.Command(name, params=params, callback=callback, help=doc, short_help=summary)
+
+
+class _Examples(click.Group):
+    """`redcoast run`: one subcommand per file in examples/, built from its `main`."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return _example_names()
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        name = cmd_name.replace("-", "_")
+        path = _examples_dir() / f"{name}.py"
+        if name.startswith("_") or not path.is_file():
+            raise click.UsageError(
+                f"no example named {cmd_name!r}; choose one of {', '.join(_example_names())}.",
+                ctx,
+            )
+        return _example_command(name, path)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            assert command is not None
+            rows.append((name, command.get_short_help_str(limit=formatter.width)))
+        with formatter.section("Examples"):
+            formatter.write_dl(rows)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -63,11 +250,23 @@ def demo(devices: int, n_model_shards: int, max_steps: int, workdir: str) -> Non
     """Train a small byte-level language model on Python's own docs, tensor parallel.
 
     Runs examples/language_modeling.py on simulated CPU devices: the model is split
-    across `--n-model-shards` devices and the batch across the rest.
+    across `--n-model-shards` devices and the batch across the rest. Prints the
+    sharding plan's summary, a progress bar, a generated sample and the metrics.
     """
-    _simulate_devices(devices)
-    example = _load_example("language_modeling")
-    example.main(n_model_shards=n_model_shards, max_steps=max_steps, workdir=workdir)
+    _run_example(
+        "language_modeling",
+        devices,
+        {"n_model_shards": n_model_shards, "max_steps": max_steps, "workdir": workdir},
+    )
+
+
+@main.group(cls=_Examples, subcommand_metavar="EXAMPLE [OPTIONS]")
+def run() -> None:
+    """Run one of the examples; each has its own options (`redcoast run EXAMPLE --help`).
+
+    Every option of an example is a keyword argument of its `main` function, with the
+    same default; `--devices` sets how many CPU devices JAX simulates.
+    """
 
 
 @main.command()
