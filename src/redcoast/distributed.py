@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import math
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -239,8 +240,10 @@ def initialize(
     Once started, every process sends a heartbeat through the coordinator. When a
     process stays silent for `heartbeat_timeout_seconds`, every survivor prints
     which one was lost and exits with `EXIT_PEER_LOST` instead of hanging in a
-    collective. An uncaught exception ends a process at once (exit code 1)
-    without waiting at JAX's shutdown barrier, so its peers notice.
+    collective (a survivor may stop sooner with the transport's own error: gloo
+    can abort on a killed peer's half-sent message). An uncaught exception ends a
+    process at once (exit code 1) without waiting at JAX's shutdown barrier, so
+    its peers notice.
 
     Under SLURM, JAX gives each task the device numbered by its `SLURM_LOCALID`
     (one task per GPU); pass `local_device_ids` to drive several devices per task.
@@ -559,12 +562,19 @@ def launch(
     procs: list[subprocess.Popen[bytes]] = []
     lock = threading.Lock()
 
+    # Each process's exit is queued by its own thread the moment it happens, so the
+    # first failure is named correctly even when others follow a few ms later.
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+
     def pump(rank: int, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
         for raw in iter(proc.stdout.readline, b""):
             with lock:
                 sys.stdout.write(f"[{rank}] {raw.decode(errors='replace')}")
                 sys.stdout.flush()
+
+    def watch(rank: int, proc: subprocess.Popen[bytes]) -> None:
+        exits.put((rank, proc.wait()))
 
     def say(message: str) -> None:
         with lock:
@@ -599,30 +609,31 @@ def launch(
                         start_new_session=True,
                     )
                 )
-                pumps.append(threading.Thread(target=pump, args=(rank, procs[-1]), daemon=True))
-                pumps[-1].start()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:
-                states = [p.poll() for p in procs]
-                failed = [(r, c) for r, c in enumerate(states) if c not in (None, 0)]
-                if failed:
-                    rank, code = failed[0]
-                    others = sum(c is None for c in states)
-                    say(
-                        f"process {rank} {_describe(code)} first; stopping the other "
-                        f"{others} running process{'es' if others != 1 else ''}."
+                for target in (pump, watch):
+                    pumps.append(
+                        threading.Thread(target=target, args=(rank, procs[-1]), daemon=True)
                     )
-                    break
-                if all(c == 0 for c in states):
-                    break
-                if deadline is not None and time.monotonic() > deadline:
+                    pumps[-1].start()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            for _ in range(nprocs):
+                try:
+                    rank, code = exits.get(
+                        timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+                    )
+                except queue.Empty:
                     code, grace = 124, _STOP_GRACE_SECONDS
                     say(
                         f"timed out after {timeout:g} s; stopping all {nprocs} processes "
                         f"(SIGTERM, then SIGKILL after {grace:g} s)."
                     )
                     break
-                time.sleep(0.05)
+                if code != 0:
+                    others = sum(p.poll() is None for p in procs)
+                    say(
+                        f"process {rank} {_describe(code)} first; stopping the other "
+                        f"{others} running process{'es' if others != 1 else ''}."
+                    )
+                    break
         except _Interrupted as stop:
             code, grace = -stop.signum, _STOP_GRACE_SECONDS
             say(
