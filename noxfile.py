@@ -1,5 +1,5 @@
 """Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s lint`, `nox -s multihost`,
-`nox -s bench`."""
+`nox -s bench`, `nox -s examples`."""
 
 from pathlib import Path
 
@@ -41,3 +41,10 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".")
     for script in sorted(Path("scripts").glob("bench_*.py")):
         session.run("python", str(script), *session.posargs, env=SIMULATED)
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Every example at full length (minutes each): checks its bar, writes examples/RESULTS.md."""
+    session.install("-e", ".[examples]")
+    session.run("python", "scripts/run_examples.py", *session.posargs)

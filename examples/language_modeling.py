@@ -1,22 +1,21 @@
 """Causal language modelling, byte level, on Python's own documentation, tensor parallel.
 
 The text is `pydoc_data.topics` (shipped with CPython, ~465k characters). A small
-LLaMA-shaped model is split over `n_model_shards` devices by redcoast's rules and the
+LLaMA from the zoo is split over `n_model_shards` devices by redcoast's rules and the
 batch over the rest. Reports validation loss in nats per byte against a unigram
-baseline, and prints a sample.
+baseline, and prints a sampled continuation of a prompt.
 """
 
 import math
 from pydoc_data.topics import topics
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import redcoast as rc
-from redcoast.models import TinyLlama
+from redcoast.models import Llama, LlamaConfig, generate
 
 SEQ = 128
 
@@ -37,16 +36,16 @@ def collate_fn(examples: list[np.ndarray]) -> dict[str, np.ndarray]:
     return {"ids": np.stack(examples).astype(np.int32)}
 
 
-def token_losses(model: TinyLlama, ids: Int[Array, "batch seq1"]) -> Float[Array, "batch seq"]:
+def token_losses(model: Llama, ids: Int[Array, "batch seq1"]) -> Float[Array, "batch seq"]:
     logits = jax.vmap(model)(ids[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
 
 
-def loss_fn(model: TinyLlama, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
+def loss_fn(model: Llama, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
     return token_losses(model, batch["ids"]).mean()
 
 
-def pred_fn(model: TinyLlama, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
+def pred_fn(model: Llama, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
     return token_losses(model, batch["ids"]).mean(axis=1)  # nats per byte, per example
 
 
@@ -55,30 +54,6 @@ def unigram_nats(train: list[np.ndarray], val: list[np.ndarray]) -> float:
     counts = np.bincount(np.concatenate(train), minlength=256) + 1.0
     logp = np.log(counts / counts.sum())
     return float(-logp[np.concatenate([v[1:] for v in val])].mean())
-
-
-def sample(model: TinyLlama, prompt: str, n_new: int = 120) -> str:
-    """Greedy continuation of `prompt`, recomputing the window each byte."""
-    ids = np.zeros(SEQ, np.int32)
-    start = np.frombuffer(prompt.encode(), np.uint8)[-SEQ // 2 :]
-    ids[: len(start)] = start
-
-    @jax.jit
-    def step(model: TinyLlama, ids: Array, pos: Array) -> Array:
-        logits = model(ids)
-        return ids.at[pos].set(jnp.argmax(logits[pos - 1]).astype(jnp.int32))
-
-    buf = jnp.asarray(ids)
-    pos = len(start)
-    out = []
-    for _ in range(n_new):
-        if pos == SEQ:
-            buf = jnp.roll(buf, -SEQ // 2).at[SEQ // 2 :].set(0)
-            pos -= SEQ // 2
-        buf = step(model, buf, jnp.int32(pos))
-        out.append(int(buf[pos]))
-        pos += 1
-    return bytes(out).decode("utf-8", errors="replace")
 
 
 def main(
@@ -101,9 +76,15 @@ def main(
     """
     train, val = load_windows()
     mesh = rc.make_mesh(n_model_shards)
-    model = TinyLlama(
-        vocab=256, hidden=128, layers=4, heads=4, kv_heads=2, ffn=384, key=jax.random.key(seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
+    model = Llama(config, key=jax.random.key(seed))
     example = collate_fn(train[:2])
     plan = rc.sharding_plan(
         model, n_model_shards, example_call=lambda m: loss_fn(m, example, jax.random.key(0))
@@ -124,7 +105,6 @@ def main(
         mesh=mesh,
         per_device_batch_size=per_device_batch_size,
         max_steps=max_steps,
-        n_epochs=1000,
         workdir=workdir,
         seed=seed,
     )
@@ -142,7 +122,11 @@ def main(
         f"validation: {val_nats:.3f} nats/byte ({val_nats / math.log(2):.2f} bits); "
         f"unigram baseline {baseline:.3f}; {100 * (1 - val_nats / baseline):.0f}% below it"
     )
-    print("sample:", repr(sample(result.model, "The for statement")))
+    prompt = b"The for statement"
+    ids = np.frombuffer(prompt, np.uint8).astype(np.int32)[None]
+    new = generate(result.model, ids, max_new_tokens=160, temperature=0.7, key=jax.random.key(seed))
+    text = (prompt + bytes(np.asarray(new[0], np.uint8))).decode("utf-8", errors="replace")
+    print("sample:", repr(text))
     return {
         "val_nats_per_byte": val_nats,
         "unigram_nats_per_byte": baseline,
