@@ -24,7 +24,7 @@ import redcoast as rc
 CLIP_NORM, NOISE_MULTIPLIER, DELTA = 1.0, 1.0, 1e-5
 
 
-def loss_fn(model: eqx.Module, batch: dict[str, Array], key: PRNGKeyArray) -> tuple:
+def loss_fn(model: eqx.Module, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
     params, static = eqx.partition(model, eqx.is_inexact_array)
 
     def example_loss(p: eqx.Module, image: Array, label: Array, k: PRNGKeyArray) -> Array:

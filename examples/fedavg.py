@@ -81,7 +81,7 @@ def main(
                     collate_fn=collate_fn,
                     mesh=mesh,
                     batch_size=batch_size,
-                    seed=c,
+                    seed=seed,
                     epoch=epoch,
                 ):
                     m, opt_state, _ = step(m, opt_state, b.arrays, jax.random.fold_in(key, n))

@@ -69,7 +69,7 @@ def metric_fn(tasks: list[dict], outputs: list[dict]) -> dict[str, float]:
 
 def main(
     n_model_shards: int = 1,
-    per_device_batch_size: int = 4,
+    per_device_batch_size: int = 8,
     max_steps: int = 15000,
     learning_rate: float = 3e-3,
     n_test_tasks: int = 1000,
