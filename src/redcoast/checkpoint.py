@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from .data import to_host
 from .sharding import path_str
 
 __all__ = [
@@ -41,7 +42,6 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
-    "step_checkpoint_path",
 ]
 
 FORMAT = "redcoast-checkpoint"
@@ -104,13 +104,7 @@ def _is_key(leaf: Any) -> bool:
 
 def _host(leaf: Any) -> np.ndarray:
     """The whole array on this host; every process must call this for every leaf."""
-    if _is_key(leaf):
-        leaf = jax.random.key_data(leaf)
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    return np.asarray(leaf)
+    return to_host(jax.random.key_data(leaf) if _is_key(leaf) else leaf)
 
 
 def _spec_of(leaf: Any) -> list[Any] | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Int
@@ -62,6 +63,16 @@ def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> Int[n
     return np.random.default_rng([int(seed), int(epoch)]).permutation(n).astype(np.int64)
 
 
+def check_positive(name: str, value: Any, *, optional: bool = True) -> None:
+    """Raise a `ValueError` naming `name` unless `value` is an int >= 1 (or None, if optional)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(
+            f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}."
+        )
+
+
 def global_batch_size(
     mesh: Mesh, per_device_batch_size: int, accumulate_grad_batches: int = 1
 ) -> int:
@@ -79,12 +90,8 @@ def global_batch_size(
         >>> global_batch_size(make_mesh(2), 8, 4)   # 8 devices: 4 data shards
         128
     """
-    for name, value in (
-        ("per_device_batch_size", per_device_batch_size),
-        ("accumulate_grad_batches", accumulate_grad_batches),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    check_positive("per_device_batch_size", per_device_batch_size, optional=False)
+    check_positive("accumulate_grad_batches", accumulate_grad_batches, optional=False)
     return int(per_device_batch_size) * mesh_shape(mesh)[0] * int(accumulate_grad_batches)
 
 
@@ -186,6 +193,31 @@ def make_global(local: Mapping[str, np.ndarray], mesh: Mesh, batch_size: int) ->
         k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:]))
         for k, v in local.items()
     }
+
+
+def to_host(tree: Any) -> Any:
+    """Every array of `tree` as a NumPy array, whole, on every process.
+
+    Arrays split over several processes are gathered (a collective: every process
+    must call this for the same tree); the rest are copied from the devices.
+
+    Args:
+        tree: a pytree of arrays, e.g. a step's predictions.
+
+    Returns:
+        The same pytree with NumPy leaves.
+
+    Example:
+        >>> to_host({"logits": predictions})["logits"].shape
+        (64, 10)
+    """
+
+    def one(x: Any) -> np.ndarray:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
 
 
 def batches(

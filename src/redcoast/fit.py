@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -24,7 +25,6 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
@@ -39,11 +39,11 @@ from .checkpoint import (
     save_checkpoint,
     step_checkpoint_path,
 )
-from .data import Batch, CollateFn, batches, global_batch_size
+from .data import Batch, CollateFn, batches, check_positive, global_batch_size, to_host
 from .logging import Logger, ProgressBar, close_loggers, jsonl_logger
 from .mesh import DATA, MODEL, make_mesh, mesh_shape
 from .sharding import shard, sharding_rules
-from .step import LossFn, PredFn, _donating_jit, _eval_core, _predict_core, train_step
+from .step import LossFn, PredFn, _donating_jit, _jit_eval_first, _jit_predict, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +132,20 @@ def _array_leaves(tree: PyTree) -> list[Any]:
     return jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
 
 
+def _redcoast_sharding(x: Any) -> NamedSharding | None:
+    """`x`'s sharding if it is placed on a `("data", "model")` mesh."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == (DATA, MODEL):
+        return sharding
+    return None
+
+
 def _model_mesh(model: PyTree) -> Mesh | None:
     """The redcoast mesh the model already lives on, if any."""
     for x in _array_leaves(model):
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == (DATA, MODEL):
-            mesh = sharding.mesh
-            return mesh if isinstance(mesh, Mesh) else None
+        sharding = _redcoast_sharding(x)
+        if sharding is not None:
+            return sharding.mesh if isinstance(sharding.mesh, Mesh) else None
     return None
 
 
@@ -153,11 +160,7 @@ def _place_model(model: PyTree, mesh: Mesh, example_call: Callable[[PyTree], Any
     if all(_on_mesh(x, mesh) for x in leaves):
         return model
     n_model = mesh_shape(mesh)[1]
-    if all(
-        isinstance(getattr(x, "sharding", None), NamedSharding)
-        and tuple(x.sharding.mesh.axis_names) == (DATA, MODEL)
-        for x in leaves
-    ):
+    if all(_redcoast_sharding(x) is not None for x in leaves):
         specs = jax.tree.map(lambda x: x.sharding.spec, eqx.filter(model, eqx.is_array))
     elif n_model > 1:
         specs = sharding_rules(model, n_model, example_call=example_call)
@@ -180,13 +183,6 @@ def _replicate_strays(tree: PyTree, mesh: Mesh) -> PyTree:
 # ----------------------------------------------------------------------------- inference
 
 
-def _to_host(tree: PyTree) -> PyTree:
-    """Global arrays to NumPy on every process."""
-    if jax.process_count() > 1:
-        return multihost_utils.process_allgather(tree, tiled=True)
-    return jax.device_get(tree)
-
-
 def _unbatch(tree: PyTree, n: int) -> list[Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return [jax.tree_util.tree_unflatten(treedef, [x[i] for x in leaves]) for i in range(n)]
@@ -205,17 +201,14 @@ def _check_examples(examples: Any, name: str) -> Sequence[Any]:
 
 def _inference(
     model: PyTree,
-    examples: Sequence[Any],
+    it: Iterator[Batch],
     *,
-    collate_fn: CollateFn,
-    mesh: Mesh,
-    batch_size: int,
     key: Any,
     loss_step: Callable[..., dict[str, Any]] | None,
     pred_step: Callable[..., Any] | None,
     output_fn: Callable[[Any], Any] | None,
 ) -> tuple[dict[str, float] | None, list[Any] | None]:
-    """One pass over `examples`: the weighted eval loss and/or the per-example outputs."""
+    """One pass over the batches: the weighted eval loss and/or the per-example outputs."""
     losses: list[dict[str, Any]] = []
     outputs: list[Any] = []
     pending: tuple[Any, int] | None = None
@@ -223,22 +216,14 @@ def _inference(
     def drain() -> None:
         if pending is not None:
             preds, n_valid = pending
-            host = jax.tree.map(lambda x: np.asarray(x)[:n_valid], _to_host(preds))
+            host = jax.tree.map(lambda x: x[:n_valid], to_host(preds))
             per_example = _unbatch(host, n_valid)
             outputs.extend(per_example if output_fn is None else map(output_fn, per_example))
 
-    it = batches(
-        examples,
-        collate_fn=collate_fn,
-        mesh=mesh,
-        batch_size=batch_size,
-        shuffle=False,
-        drop_last=False,
-    )
     for i, batch in enumerate(it):
         k = jax.random.fold_in(key, i)
         if loss_step is not None:
-            losses.append(loss_step(model, batch.arrays, k, np.int32(batch.n_valid)))
+            losses.append(loss_step(model, batch.arrays, k, np.asarray(batch.n_valid, np.int32)))
         if pred_step is not None:
             preds = pred_step(model, batch.arrays, k)
             # Read the previous batch's predictions while this one computes.
@@ -255,15 +240,6 @@ def _inference(
             if k != "weight"
         }
     return loss_metrics, (outputs if pred_step is not None else None)
-
-
-def _jit_loss_step(loss_fn: LossFn, batch_size: int) -> Callable[..., dict[str, Any]]:
-    core = _eval_core(loss_fn)
-
-    def step(model: Any, batch: Any, key: Any, n_valid: Any) -> dict[str, Any]:
-        return core(model, batch, key, (jnp.arange(batch_size) < n_valid).astype(jnp.float32))
-
-    return eqx.filter_jit(step)
 
 
 def predict(
@@ -307,27 +283,17 @@ def predict(
     mesh = mesh or _model_mesh(model) or make_mesh(1)
     size = global_batch_size(mesh, per_device_batch_size)
     key = jax.random.key(seed)
-    step = eqx.filter_jit(_predict_core(pred_fn))
-    first = next(
-        batches(
-            examples,
-            collate_fn=collate_fn,
-            mesh=mesh,
-            batch_size=size,
-            shuffle=False,
-            drop_last=False,
-        )
+    it = batches(
+        examples, collate_fn=collate_fn, mesh=mesh, batch_size=size, shuffle=False, drop_last=False
     )
+    first = next(it)
     model = _place_model(model, mesh, lambda m: pred_fn(m, first.arrays, key))
     _, outputs = _inference(
         model,
-        examples,
-        collate_fn=collate_fn,
-        mesh=mesh,
-        batch_size=size,
+        itertools.chain([first], it),
         key=key,
         loss_step=None,
-        pred_step=step,
+        pred_step=functools.partial(_jit_predict, pred_fn),
         output_fn=output_fn,
     )
     assert outputs is not None
@@ -354,15 +320,6 @@ def _scalar_metrics(metrics: Any) -> dict[str, float]:
             raise ValueError(f"metric_fn must return scalars; {k!r} has shape {np.shape(v)}.")
         out[str(k)] = float(v)
     return out
-
-
-def _check_positive(name: str, value: Any, *, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(
-            f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}."
-        )
 
 
 @contextlib.contextmanager
@@ -541,8 +498,8 @@ def fit(
         ("save_every", save_every),
         ("keep_last_n", keep_last_n),
     ):
-        _check_positive(name, value)
-    _check_positive("log_every", log_every, optional=False)
+        check_positive(name, value)
+    check_positive("log_every", log_every, optional=False)
     if on_nonfinite not in ("raise", "skip"):
         raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
     if (output_fn is not None or metric_fn is not None) and pred_fn is None:
@@ -603,7 +560,9 @@ def fit(
             start=start,
         )
 
-    first = next(epoch_batches(0, epoch_examples(0)))
+    # Asked for once: train_examples(epoch) may build the examples anew on each call.
+    first_examples = epoch_examples(0)
+    first = next(epoch_batches(0, first_examples))
     model = _place_model(model, mesh, lambda m: loss_fn(m, first.arrays, base_key))
     if opt_state is None:
         opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
@@ -647,10 +606,8 @@ def fit(
     step_fn = _donating_jit(
         lambda m, o, batch, key, s: core(m, o, batch, jax.random.fold_in(key, s))
     )
-    loss_step = _jit_loss_step(loss_fn, eval_size) if eval_examples is not None else None
-    pred_step = (
-        eqx.filter_jit(_predict_core(pred_fn)) if eval_examples is not None and pred_fn else None
-    )
+    loss_step = functools.partial(_jit_eval_first, loss_fn)
+    pred_step = None if pred_fn is None else functools.partial(_jit_predict, pred_fn)
 
     total = max_steps
     if not callable(train_examples) and n_epochs is not None:
@@ -719,10 +676,14 @@ def fit(
         assert eval_examples is not None
         loss_metrics, outputs = _inference(
             model,
-            eval_examples,
-            collate_fn=collate_fn,
-            mesh=mesh,
-            batch_size=eval_size,
+            batches(
+                eval_examples,
+                collate_fn=collate_fn,
+                mesh=mesh,
+                batch_size=eval_size,
+                shuffle=False,
+                drop_last=False,
+            ),
             key=base_key,
             loss_step=loss_step,
             pred_step=pred_step,
@@ -762,7 +723,7 @@ def fit(
     ):
         try:
             while not done():
-                examples = epoch_examples(epoch)
+                examples = first_examples if epoch == 0 else epoch_examples(epoch)
                 n_batches = len(examples) // size
                 if epoch == 0 and position == 0:
                     it = itertools.chain([first], epoch_batches(epoch, examples, start=1))

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .mesh import DATA, mesh_shape
 
@@ -359,26 +359,57 @@ def train_step(
     return _donating_jit(core) if jit else core
 
 
-def _eval_core(loss_fn: LossFn) -> Callable[..., dict[str, Array]]:
-    def step(
-        model: Any, batch: Any, key: Any, weights: Float[Array, " batch"] | None = None
-    ) -> dict[str, Array]:
-        model = eqx.nn.inference_mode(model)
-        size = batch_size(batch)
+def _eval(
+    loss_fn: LossFn,
+    model: Any,
+    batch: Any,
+    key: Any,
+    weights: Float[Array, " batch"] | None = None,
+) -> dict[str, Array]:
+    """`loss_fn` per example under inference mode; the weighted means and the weight."""
+    model = eqx.nn.inference_mode(model)
+    size = batch_size(batch)
 
-        def one(example: Any) -> tuple[Array, dict[str, Array]]:
-            single = jax.tree.map(lambda x: x[None], example)
-            return _split_loss(loss_fn(model, single, key), single)
+    def one(example: Any) -> tuple[Array, dict[str, Array]]:
+        single = jax.tree.map(lambda x: x[None], example)
+        return _split_loss(loss_fn(model, single, key), single)
 
-        losses, aux = jax.vmap(one)(batch)
-        w = jnp.ones(size, jnp.float32) if weights is None else weights.astype(jnp.float32)
-        total = w.sum()
-        denom = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
-        out = {"loss": (w * losses).sum() / denom, "weight": total}
-        out.update({k: (w * v).sum() / denom for k, v in aux.items()})
-        return out
+    losses, aux = jax.vmap(one)(batch)
+    w = jnp.ones(size, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    total = w.sum()
+    denom = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
+    out = {"loss": (w * losses).sum() / denom, "weight": total}
+    out.update({k: (w * v).sum() / denom for k, v in aux.items()})
+    return out
 
-    return step
+
+def _eval_first(
+    loss_fn: LossFn, model: Any, batch: Any, key: Any, n_valid: Int[Array, ""]
+) -> dict[str, Array]:
+    """`_eval` counting only the first `n_valid` rows; the rest is padding."""
+    weights = (jnp.arange(batch_size(batch)) < n_valid).astype(jnp.float32)
+    return _eval(loss_fn, model, batch, key, weights)
+
+
+def _predict(pred_fn: PredFn, model: Any, batch: Any, key: Any) -> Any:
+    """`pred_fn` under inference mode, its output checked for the batch axis."""
+    size = batch_size(batch)
+    out = pred_fn(eqx.nn.inference_mode(model), batch, key)
+    leaves = jax.tree_util.tree_leaves(out)
+    if not leaves or any(jnp.ndim(x) == 0 or jnp.shape(x)[0] != size for x in leaves):
+        raise ValueError(
+            f"pred_fn must return a pytree of arrays with the batch on the leading axis; "
+            f"for a batch of {size} ({_shapes(batch)}) it returned {_shapes(out)}."
+        )
+    return out
+
+
+# Jitted once here, with the callback as a static argument: every step built for the
+# same loss_fn / pred_fn shares one compilation cache, so calling `predict` (or
+# building an eval step) again does not compile again.
+_jit_eval = eqx.filter_jit(_eval)
+_jit_eval_first = eqx.filter_jit(_eval_first)
+_jit_predict = eqx.filter_jit(_predict)
 
 
 def eval_step(loss_fn: LossFn, *, jit: bool = True) -> Callable[..., dict[str, Array]]:
@@ -390,7 +421,8 @@ def eval_step(loss_fn: LossFn, *, jit: bool = True) -> Callable[..., dict[str, A
 
     Args:
         loss_fn: as for `train_step`.
-        jit: wrap the step in `eqx.filter_jit` (no donation).
+        jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
+            `loss_fn` share their compilations.
 
     Returns:
         `(model, batch, key, weights=None) -> metrics` with `loss` (and each aux
@@ -401,23 +433,7 @@ def eval_step(loss_fn: LossFn, *, jit: bool = True) -> Callable[..., dict[str, A
         >>> evaluate = eval_step(loss_fn)
         >>> evaluate(model, batch, jax.random.key(0))["loss"]
     """
-    core = _eval_core(loss_fn)
-    return eqx.filter_jit(core) if jit else core
-
-
-def _predict_core(pred_fn: PredFn) -> Callable[..., Any]:
-    def step(model: Any, batch: Any, key: Any) -> Any:
-        size = batch_size(batch)
-        out = pred_fn(eqx.nn.inference_mode(model), batch, key)
-        leaves = jax.tree_util.tree_leaves(out)
-        if not leaves or any(jnp.ndim(x) == 0 or jnp.shape(x)[0] != size for x in leaves):
-            raise ValueError(
-                f"pred_fn must return a pytree of arrays with the batch on the leading axis; "
-                f"for a batch of {size} ({_shapes(batch)}) it returned {_shapes(out)}."
-            )
-        return out
-
-    return step
+    return functools.partial(_jit_eval if jit else _eval, loss_fn)
 
 
 def predict_step(pred_fn: PredFn, *, jit: bool = True) -> Callable[..., Any]:
@@ -426,7 +442,8 @@ def predict_step(pred_fn: PredFn, *, jit: bool = True) -> Callable[..., Any]:
     Args:
         pred_fn: `(model, batch, key) -> pytree of arrays`, each with the batch on the
             leading axis.
-        jit: wrap the step in `eqx.filter_jit` (no donation).
+        jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
+            `pred_fn` share their compilations.
 
     Returns:
         `(model, batch, key) -> predictions`.
@@ -435,5 +452,4 @@ def predict_step(pred_fn: PredFn, *, jit: bool = True) -> Callable[..., Any]:
         >>> predict = predict_step(lambda m, b, k: jax.vmap(m)(b["x"]).argmax(-1))
         >>> labels = predict(model, batch, jax.random.key(0))
     """
-    core = _predict_core(pred_fn)
-    return eqx.filter_jit(core) if jit else core
+    return functools.partial(_jit_predict if jit else _predict, pred_fn)

@@ -24,7 +24,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
@@ -32,6 +31,7 @@ from jaxtyping import PyTree
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ..data import to_host
 from ..mesh import MODEL
 from ..sharding import ShardingPlan, _check_spec, path_str, sharding_rules
 
@@ -462,12 +462,6 @@ def _check_model_type(values: Mapping[str, Any], cls: Any, folder: Path) -> None
 # --------------------------------------------------------------------------- writing
 
 
-def _host(x: Any) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
 def save(model: Any, path: str | Path) -> None:
     """Write `model` as a folder `transformers` loads (see `to_hf`)."""
     folder = Path(path)
@@ -479,16 +473,16 @@ def save(model: Any, path: str | Path) -> None:
         hosts = {}
         for ours in m.ours:
             if not m.per_layer:
-                hosts[ours] = _host(arrays[ours])
+                hosts[ours] = to_host(arrays[ours])
             elif stacked:
-                hosts[ours] = _host(arrays[f"blocks.{ours}"])
+                hosts[ours] = to_host(arrays[f"blocks.{ours}"])
         for layer in range(n_layers) if m.per_layer else [None]:
             if layer is None:
                 parts = tuple(hosts[ours] for ours in m.ours)
             elif stacked:
                 parts = tuple(hosts[ours][layer] for ours in m.ours)
             else:
-                parts = tuple(_host(arrays[f"blocks.{layer}.{ours}"]) for ours in m.ours)
+                parts = tuple(to_host(arrays[f"blocks.{layer}.{ours}"]) for ours in m.ours)
             name = m.hf if layer is None else m.hf.format(i=layer)
             tensors[name] = np.ascontiguousarray(m.to_hf(parts))
     values = model.config.to_dict()
