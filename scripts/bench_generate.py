@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     parser.add_argument("--new", type=int, default=32, help="generated tokens")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default="bench-results/bench_generate.json")
     args = parser.parse_args()
     positions = args.prompt + args.new
