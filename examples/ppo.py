@@ -126,7 +126,12 @@ def main(
         transitions = [dict(zip(keep, row, strict=True)) for row in zip(*flat, strict=True)]
         for _ in range(update_epochs):
             for batch in rc.batches(
-                transitions, collate_fn=collate_fn, mesh=mesh, batch_size=batch_size, epoch=n
+                transitions,
+                collate_fn=collate_fn,
+                mesh=mesh,
+                batch_size=batch_size,
+                seed=seed,
+                epoch=n,
             ):
                 key = jax.random.fold_in(k_run, n)
                 model, opt_state, metrics = step(model, opt_state, batch.arrays, key)

@@ -36,7 +36,7 @@ def test_train_batches_are_global_shuffled_and_drop_the_last_partial_batch():
     assert len(out) == 2
     order = epoch_order(20, seed=0, epoch=1)
     for i, batch in enumerate(out):
-        assert batch.n_valid == 8
+        assert isinstance(batch, rc.Batch) and batch.n_valid == 8
         np.testing.assert_array_equal(batch.indices, order[i * 8 : (i + 1) * 8])
         ids = batch.arrays["id"]
         assert ids.shape == (8,) and batch.arrays["x"].shape == (8, 3)

@@ -125,6 +125,7 @@ SLURM_JOBS = {
 def test_slurm_environments(job: str) -> None:
     env, (address, n, rank, source) = SLURM_JOBS[job]
     config = resolve(env=env)
+    assert isinstance(config, distributed.DistributedConfig)
     assert (config.coordinator_address, config.num_processes) == (address, n)
     assert (config.process_id, config.source) == (rank, source)
 

@@ -206,3 +206,14 @@ def test_loading_with_specs_for_another_model_is_an_error(tmp_path: Path) -> Non
     wrong = rc.sharding_rules(build("gpt2", scan_layers=True), 2)
     with pytest.raises(ValueError, match=r"specs has no PartitionSpec for \['blocks.0.attn_norm"):
         rc.models.GPT2.from_hf(tmp_path, mesh=mesh, specs=wrong)
+
+
+def test_cache_config_and_activation_names_are_public() -> None:
+    model = rc.models.Llama(CONFIGS["llama"], key=jax.random.key(0))
+    cache = model.init_cache(8)
+    assert len(cache) == 2 and all(isinstance(c, rc.models.KVCache) for c in cache)
+    assert cache[0].key.shape == (8, 2, 8)  # slots, K/V heads, head dim
+    assert isinstance(model.config, rc.models.HFConfig)
+    assert rc.models.activation("silu") is jax.nn.silu
+    with pytest.raises(ValueError, match="unsupported activation 'swishy'"):
+        rc.models.activation("swishy")

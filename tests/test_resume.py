@@ -110,6 +110,10 @@ def test_latest_ignores_best_and_incomplete_folders(tmp_path: Path) -> None:
     (ckpts / ".step_00000016.tmp-1234").mkdir()
     assert rc.latest_checkpoint(ckpts) == ckpts / "step_00000012"
     assert rc.latest_checkpoint(tmp_path / "missing") is None
+    # What a user gets chaining the two on an empty folder (the test-time type checker
+    # may answer first; either way a TypeError about `path`).
+    with pytest.raises(TypeError, match="path"):
+        rc.load_checkpoint(rc.latest_checkpoint(tmp_path / "missing"), like={})  # type: ignore[arg-type]
 
 
 def test_checkpoint_options_need_a_workdir_and_a_matching_run(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ Write `collate_fn`, `loss_fn` and `pred_fn`; say how many shards the model is
 split into; redcoast builds the mesh, splits every weight, and runs the steps.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib import metadata as _metadata
 
 from . import distributed as distributed
 from . import models as models
@@ -33,6 +33,6 @@ from .step import predict_step as predict_step
 from .step import train_step as train_step
 
 try:
-    __version__ = version("redcoast")
-except PackageNotFoundError:  # running from a source tree without installation
+    __version__ = _metadata.version("redcoast")
+except _metadata.PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0"

@@ -480,6 +480,11 @@ def load_checkpoint(
         >>> ckpt = load_checkpoint("runs/x/ckpts/step_100", like=model, mesh=mesh, specs=specs)
         >>> model = ckpt.model
     """
+    if path is None:
+        raise TypeError(
+            "load_checkpoint got path=None; latest_checkpoint returns None when a folder "
+            "holds no complete checkpoint. Check the folder, or train first."
+        )
     if specs is not None and mesh is None:
         raise ValueError("load_checkpoint: specs need a mesh to place arrays on; pass mesh= too.")
     folder = Path(path)
