@@ -90,7 +90,7 @@ def main(
     """
     train, test = digits()
     mesh = rc.make_mesh(n_model_shards)
-    steps = n_epochs * (len(train) // (per_device_batch_size * mesh.shape["data"]))
+    steps = n_epochs * (len(train) // rc.global_batch_size(mesh, per_device_batch_size))
     optimizer = optax.adamw(optax.cosine_decay_schedule(learning_rate, steps))
     result = rc.fit(
         cnn(jax.random.key(seed)),
@@ -101,9 +101,7 @@ def main(
         mesh=mesh,
         per_device_batch_size=per_device_batch_size,
         n_epochs=n_epochs,
-        eval_examples=test,
-        pred_fn=pred_fn,
-        metric_fn=accuracy,
+        evaluation=rc.Evaluation(test, pred_fn=pred_fn, metric_fn=accuracy),
         workdir=workdir,
         seed=seed,
     )

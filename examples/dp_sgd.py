@@ -77,7 +77,7 @@ def main(
     """
     train, test = digits()
     mesh = rc.make_mesh(n_model_shards)
-    batch_size = per_device_batch_size * mesh.shape["data"]
+    batch_size = rc.global_batch_size(mesh, per_device_batch_size)
     steps = n_epochs * (len(train) // batch_size)
     result = rc.fit(
         cnn(jax.random.key(seed)),

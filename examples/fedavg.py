@@ -57,14 +57,11 @@ def main(
     train, test = digits()
     clients = split_non_iid(train, n_clients, seed)
     mesh = rc.make_mesh(n_model_shards)
-    batch_size = per_device_batch_size * mesh.shape["data"]
+    batch_size = rc.global_batch_size(mesh, per_device_batch_size)
     key = jax.random.key(seed)
     model = cnn(key)
     example = collate_fn(train[:2])
-    specs = rc.sharding_rules(
-        model, n_model_shards, example_call=lambda m: loss_fn(m, example, key)
-    )
-    model = rc.shard(model, mesh, specs)
+    model = rc.place(model, mesh, example_call=lambda m: loss_fn(m, example, key))
     optimizer = optax.sgd(learning_rate, momentum=0.9)
     # Not donating: every client starts from the same global model.
     step = eqx.filter_jit(rc.train_step(loss_fn, optimizer, mesh=mesh, jit=False))

@@ -98,11 +98,13 @@ def main(
         mesh=rc.make_mesh(n_model_shards),
         per_device_batch_size=per_device_batch_size,
         max_steps=max_steps,
-        eval_examples=sinusoid_tasks(n_test_tasks, 100, seed=(seed, 0)),
-        eval_per_device_batch_size=32,
-        eval_every=max(1, max_steps // 5),
-        pred_fn=pred_fn,
-        metric_fn=metric_fn,
+        evaluation=rc.Evaluation(
+            sinusoid_tasks(n_test_tasks, 100, seed=(seed, 0)),
+            pred_fn=pred_fn,
+            metric_fn=metric_fn,
+            every=max(1, max_steps // 5),
+            per_device_batch_size=32,
+        ),
         workdir=workdir,
         seed=seed,
     )

@@ -103,7 +103,7 @@ def main(
         seed: initialisation, environments and actions.
     """
     mesh = rc.make_mesh(n_model_shards)
-    batch_size = per_device_batch_size * mesh.shape["data"]
+    batch_size = rc.global_batch_size(mesh, per_device_batch_size)
     n_updates = n_iterations * update_epochs * (n_envs * n_steps // batch_size)
     schedule = optax.linear_schedule(learning_rate, 0.0, n_updates)
     optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(schedule, eps=1e-5))
@@ -113,8 +113,7 @@ def main(
         eqx.nn.MLP(4, "scalar", 64, 2, activation=jnp.tanh, key=k2),
     )
     example = {"obs": jnp.zeros((2, 4))}
-    specs = rc.sharding_rules(model, n_model_shards, example_call=lambda m: pred_fn(m, example, k1))
-    model = rc.shard(model, mesh, specs)
+    model = rc.place(model, mesh, example_call=lambda m: pred_fn(m, example, k1))
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     step = rc.train_step(loss_fn, optimizer, mesh=mesh)
     log = rc.jsonl_logger(f"{workdir}/metrics.jsonl") if workdir else lambda *_: None

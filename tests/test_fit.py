@@ -69,11 +69,9 @@ def test_digits_mlp_reaches_95_percent_through_fit_and_predict(tmp_path):
         mesh=rc.make_mesh(1),
         per_device_batch_size=4,
         n_epochs=8,
-        eval_examples=test,
-        pred_fn=pred_fn,
-        output_fn=int,
-        metric_fn=accuracy,
-        save_best=("accuracy", "max"),
+        evaluation=rc.Evaluation(
+            test, pred_fn=pred_fn, output_fn=int, metric_fn=accuracy, save_best=("accuracy", "max")
+        ),
         workdir=tmp_path,
     )
     preds = rc.predict(
@@ -238,7 +236,7 @@ def nan_loss(model, batch, key):
 def test_nonfinite_loss_raises_naming_the_step_or_is_skipped():
     kwargs = dict(collate_fn=collate_fn, loss_fn=nan_loss, per_device_batch_size=1, progress=False)
     # 32 examples, global batch 8: steps 1-4 are epoch 0, step 5 is the first NaN.
-    with pytest.raises(FloatingPointError, match=r"loss is nan at step 5 \(epoch 1\)"):
+    with pytest.raises(FloatingPointError, match=r"the loss is nan at step 5 \(epoch 1\)"):
         rc.fit(_mlp(), optax.adam(1e-2), _poisoned, n_epochs=3, **kwargs)
     one = rc.fit(_mlp(), optax.adam(1e-2), _poisoned, n_epochs=1, **kwargs)
     two = rc.fit(
@@ -299,17 +297,18 @@ def test_bad_input_gives_clear_errors():
         )
     with pytest.raises(ValueError, match="needs n_epochs or max_steps"):
         rc.fit(_mlp(), optax.sgd(0.1), _toy(8), **{**kwargs, "n_epochs": None})
-    with pytest.raises(ValueError, match="save_best compares evaluations"):
-        rc.fit(_mlp(), optax.sgd(0.1), _toy(8), save_best=("loss", "min"), **kwargs)
+    with pytest.raises(ValueError, match="output_fn and metric_fn work on predictions"):
+        rc.Evaluation(_toy(4), metric_fn=accuracy)
+    with pytest.raises(ValueError, match=r"Evaluation\.examples is empty"):
+        rc.Evaluation([])
     with pytest.raises(KeyError, match=r"save_best names the metric 'f1'.*\['accuracy', 'loss'\]"):
         rc.fit(
             _mlp(),
             optax.sgd(0.1),
             _toy(8),
-            eval_examples=_toy(4),
-            pred_fn=pred_fn,
-            metric_fn=accuracy,
-            save_best=("f1", "max"),
+            evaluation=rc.Evaluation(
+                _toy(4), pred_fn=pred_fn, metric_fn=accuracy, save_best=("f1", "max")
+            ),
             **kwargs,
         )
     with pytest.raises(ValueError, match="examples is empty"):
@@ -342,8 +341,7 @@ def test_eval_every_and_final_evaluation(tmp_path):
         loss_fn=loss_fn,
         per_device_batch_size=1,
         max_steps=7,
-        eval_every=3,
-        eval_examples=_toy(13, seed=1),
+        evaluation=rc.Evaluation(_toy(13, seed=1), every=3),
         progress=False,
         workdir=tmp_path,
     )

@@ -94,7 +94,7 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(tmp_path: Path) -
     proc = _run(tmp_path, tmp_path / "unused.npz", "--term-at", 3, "--max-steps", 50)
     # The signal lands while step 4 runs; fit finishes it, saves and exits with 0.
     where = tmp_path / "ckpts" / "step_00000004"
-    assert f"SIGTERM received; stopped after step 4 and saved {where}" in proc.stderr
+    assert f"stopped after step 4 (SIGTERM received); saved {where}" in proc.stderr
     state = json.loads((where / "state.json").read_text())
     assert state["step"] == 4 and state["loop"]["position"] == 4
     assert rc.latest_checkpoint(tmp_path / "ckpts") == where
@@ -137,8 +137,8 @@ def test_checkpoint_options_need_a_workdir_and_a_matching_run(tmp_path: Path) ->
 
     with pytest.raises(ValueError, match="resume needs a workdir"):
         run(resume=True)
-    with pytest.raises(ValueError, match="save_every needs a workdir"):
-        run(save_every=1)
+    with pytest.raises(ValueError, match="checkpointing needs a workdir"):
+        run(checkpointing=rc.Checkpointing(every=1))
     run(workdir=tmp_path)
     with pytest.raises(ValueError, match=r"seed=0 .* this run has seed=1"):
         run(workdir=tmp_path, resume=True, seed=1)

@@ -83,7 +83,7 @@ def test_shard_map_path_equals_jit_path(accumulate):
         runs[path] = (model, history)
     _assert_trees_close(runs["jit"][0], runs["shard_map"][0])
     for a, b in zip(runs["jit"][1], runs["shard_map"][1], strict=True):
-        assert a.keys() == b.keys() == {"loss", "grad_norm", "lr", "accuracy"}
+        assert a.keys() == b.keys() == {"loss", "grad_norm", "lr", "nonfinite", "accuracy"}
         for k in a:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5)
 

@@ -1,9 +1,9 @@
-"""`fit` and `predict`: the loop around the jitted steps.
+"""`fit` and `predict`: the three callbacks, a mesh, and a loop of small parts.
 
-The loop keeps the devices busy: a step is dispatched before the previous one's
-metrics are read, metrics come back once per logging interval in one transfer,
-and everything else on the host (collating the next batch, the progress bar) runs
-while the devices compute.
+`fit` validates its options, places the model, resumes when asked, and hands a
+`LoopState` to `run_loop` with its behaviours as hooks: the metrics buffer (one
+device-to-host transfer per logging interval, one step behind the devices),
+evaluation, signal stops and checkpoints. A user's hooks run beside them.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import dataclasses
 import functools
 import itertools
 import json
-import math
 import os
+import shutil
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,8 +27,7 @@ import jax
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .checkpoint import (
@@ -39,11 +37,13 @@ from .checkpoint import (
     save_checkpoint,
     step_checkpoint_path,
 )
-from .data import Batch, CollateFn, batches, check_positive, global_batch_size, to_host
-from .logging import Logger, ProgressBar, close_loggers, jsonl_logger
-from .mesh import DATA, MODEL, make_mesh, mesh_shape
-from .sharding import shard, sharding_rules
-from .step import LossFn, PredFn, _donating_jit, _jit_eval_first, _jit_predict, train_step
+from .data import Batch, CollateFn, batches, check_positive, global_batch_size
+from .evaluate import Evaluation, check_examples, inference, scalar_metrics
+from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
+from .loop import Hook, LoopState, always, run_loop
+from .mesh import make_mesh, mesh_shape
+from .place import model_mesh, own_copy, place, replicate_strays
+from .step import LossFn, PredFn, donating_jit, jit_eval_first, predict_step, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,187 +59,42 @@ class FitResult:
             `"eval"`: one record per evaluation (`step`, `epoch`, `eval_loss`,
             `eval_<metric>`); `"best"`: `{"metric", "mode", "value", "step"}` with
             `save_best`; `"timing"`: host seconds per step spent collating
-            (`data_s`), dispatching the jitted step (`step_call_s`) and in the rest
-            of the loop (`other_s`), measured after the first (compiling) step.
+            (`data_s`), dispatching the jitted step (`step_call_s`) and in the
+            hooks (`other_s`), measured after the first (compiling) step.
+        stopped_by: why training stopped before its end (`"SIGTERM"`, `"SIGINT"`,
+            or what a hook set), None when it ran to the end.
     """
 
     model: Any
     opt_state: Any
     step: int
     history: dict[str, Any]
+    stopped_by: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class BestMetric:
-    """The best value of one eval metric so far, and the rule for "better".
+class Checkpointing:
+    """When `fit` writes `workdir/ckpts/step_XXXXXXXX` checkpoints, and how many it keeps.
 
     Attributes:
-        metric: a key of the eval metrics (`"loss"` for the eval loss, otherwise a
-            key of `metric_fn`'s dict).
-        mode: `"max"` or `"min"`.
-        value: the best value seen, None before the first evaluation.
-        step: the step at which it was seen.
+        every: save every this many steps.
+        last: save after the last step (and when a signal stops the run).
+        keep_last_n: keep only the newest this many `step_*` checkpoints of the run.
 
     Example:
-        >>> best = BestMetric("accuracy", "max")
-        >>> best, improved = best.update({"accuracy": 0.9}, step=100)   # improved
-        >>> best, improved = best.update({"accuracy": 0.8}, step=200)   # not improved
+        >>> rc.fit(..., workdir="runs/x", checkpointing=rc.Checkpointing(every=500, keep_last_n=3))
     """
 
-    metric: str
-    mode: Literal["max", "min"]
-    value: float | None = None
-    step: int | None = None
+    every: int | None = None
+    last: bool = True
+    keep_last_n: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.metric, str) or self.mode not in ("max", "min"):
-            raise ValueError(
-                "save_best must be (metric_name, 'max' | 'min'), "
-                f"got ({self.metric!r}, {self.mode!r})."
-            )
-
-    def update(self, metrics: Mapping[str, Any], step: int) -> tuple[BestMetric, bool]:
-        """Compare one evaluation's metrics with the best so far.
-
-        Args:
-            metrics: the evaluation's metrics, keyed as `metric_fn` returns them plus
-                `"loss"`.
-            step: the step of this evaluation.
-
-        Returns:
-            `(new_best, improved)`. A non-finite value never improves; ties do not
-            improve, so the earliest best is kept.
-        """
-        if self.metric not in metrics:
-            raise KeyError(
-                f"save_best names the metric {self.metric!r}, but the evaluation produced "
-                f"{sorted(metrics)}; use one of those."
-            )
-        value = float(metrics[self.metric])
-        if not math.isfinite(value):
-            return self, False
-        if self.value is not None and not (
-            value > self.value if self.mode == "max" else value < self.value
-        ):
-            return self, False
-        return dataclasses.replace(self, value=value, step=int(step)), True
+        check_positive("Checkpointing.every", self.every)
+        check_positive("Checkpointing.keep_last_n", self.keep_last_n)
 
 
-# ----------------------------------------------------------------------------- placement
-
-
-def _array_leaves(tree: PyTree) -> list[Any]:
-    return jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
-
-
-def _redcoast_sharding(x: Any) -> NamedSharding | None:
-    """`x`'s sharding if it is placed on a `("data", "model")` mesh."""
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == (DATA, MODEL):
-        return sharding
-    return None
-
-
-def _model_mesh(model: PyTree) -> Mesh | None:
-    """The redcoast mesh the model already lives on, if any."""
-    for x in _array_leaves(model):
-        sharding = _redcoast_sharding(x)
-        if sharding is not None:
-            return sharding.mesh if isinstance(sharding.mesh, Mesh) else None
-    return None
-
-
-def _on_mesh(x: Any, mesh: Mesh) -> bool:
-    sharding = getattr(x, "sharding", None)
-    return isinstance(sharding, NamedSharding) and sharding.mesh == mesh
-
-
-def _place_model(model: PyTree, mesh: Mesh, example_call: Callable[[PyTree], Any]) -> PyTree:
-    """Put the model on `mesh`: keep it, re-place it with its own specs, or derive specs."""
-    leaves = _array_leaves(model)
-    if all(_on_mesh(x, mesh) for x in leaves):
-        return model
-    n_model = mesh_shape(mesh)[1]
-    if all(_redcoast_sharding(x) is not None for x in leaves):
-        specs = jax.tree.map(lambda x: x.sharding.spec, eqx.filter(model, eqx.is_array))
-    elif n_model > 1:
-        specs = sharding_rules(model, n_model, example_call=example_call)
-    else:
-        specs = jax.tree.map(lambda _: P(), eqx.filter(model, eqx.is_array))
-    return shard(model, mesh, specs)
-
-
-def _replicate_strays(tree: PyTree, mesh: Mesh) -> PyTree:
-    """Replicate over `mesh` the arrays not already on it (e.g. optax's step counters)."""
-
-    def place(x: Any) -> Any:
-        if not eqx.is_array(x) or _on_mesh(x, mesh):
-            return x
-        return jax.device_put(x, NamedSharding(mesh, P()))
-
-    return jax.tree.map(place, tree)
-
-
-# ----------------------------------------------------------------------------- inference
-
-
-def _unbatch(tree: PyTree, n: int) -> list[Any]:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return [jax.tree_util.tree_unflatten(treedef, [x[i] for x in leaves]) for i in range(n)]
-
-
-def _check_examples(examples: Any, name: str) -> Sequence[Any]:
-    if not hasattr(examples, "__len__") or not hasattr(examples, "__getitem__"):
-        raise TypeError(
-            f"{name} must be a sequence (len() and integer indexing), "
-            f"got {type(examples).__name__}."
-        )
-    if len(examples) == 0:
-        raise ValueError(f"{name} is empty; give at least one example.")
-    return examples
-
-
-def _inference(
-    model: PyTree,
-    it: Iterator[Batch],
-    *,
-    key: Any,
-    loss_step: Callable[..., dict[str, Any]] | None,
-    pred_step: Callable[..., Any] | None,
-    output_fn: Callable[[Any], Any] | None,
-) -> tuple[dict[str, float] | None, list[Any] | None]:
-    """One pass over the batches: the weighted eval loss and/or the per-example outputs."""
-    losses: list[dict[str, Any]] = []
-    outputs: list[Any] = []
-    pending: tuple[Any, int] | None = None
-
-    def drain() -> None:
-        if pending is not None:
-            preds, n_valid = pending
-            host = jax.tree.map(lambda x: x[:n_valid], to_host(preds))
-            per_example = _unbatch(host, n_valid)
-            outputs.extend(per_example if output_fn is None else map(output_fn, per_example))
-
-    for i, batch in enumerate(it):
-        k = jax.random.fold_in(key, i)
-        if loss_step is not None:
-            losses.append(loss_step(model, batch.arrays, k, np.asarray(batch.n_valid, np.int32)))
-        if pred_step is not None:
-            preds = pred_step(model, batch.arrays, k)
-            # Read the previous batch's predictions while this one computes.
-            drain()
-            pending = (preds, batch.n_valid)
-    drain()
-    loss_metrics = None
-    if loss_step is not None:
-        host = jax.device_get(losses)
-        weight = sum(float(m["weight"]) for m in host)
-        loss_metrics = {
-            k: sum(float(m[k]) * float(m["weight"]) for m in host) / weight
-            for k in host[0]
-            if k != "weight"
-        }
-    return loss_metrics, (outputs if pred_step is not None else None)
+# ----------------------------------------------------------------------------- predict
 
 
 def predict(
@@ -257,10 +112,11 @@ def predict(
 
     The last batch is padded (repeating the last example) and the padding dropped.
     Outputs are gathered from all processes, so every process gets the full list.
+    The model's arrays are only read.
 
     Args:
-        model: an Equinox model; if it is not on `mesh` it is placed there (split by
-            `sharding_rules`, tracing `pred_fn`, when the mesh has a model axis > 1).
+        model: an Equinox model; if it is not on `mesh` it is placed there (`place`,
+            tracing `pred_fn` on the first batch).
         examples: a sequence, the same on every process.
         collate_fn: `(examples: list) -> dict[str, np.ndarray]`.
         pred_fn: `(model, batch, key) -> pytree of arrays`, batch on the leading axis;
@@ -279,47 +135,62 @@ def predict(
         ...                  pred_fn=lambda m, b, k: jax.vmap(m)(b["x"]).argmax(-1),
         ...                  output_fn=int)
     """
-    examples = _check_examples(examples, "examples")
-    mesh = mesh or _model_mesh(model) or make_mesh(1)
+    examples = check_examples(examples, "examples")
+    mesh = mesh or model_mesh(model) or make_mesh(1)
     size = global_batch_size(mesh, per_device_batch_size)
     key = jax.random.key(seed)
     it = batches(
         examples, collate_fn=collate_fn, mesh=mesh, batch_size=size, shuffle=False, drop_last=False
     )
     first = next(it)
-    model = _place_model(model, mesh, lambda m: pred_fn(m, first.arrays, key))
-    _, outputs = _inference(
+    model = place(model, mesh, example_call=lambda m: pred_fn(m, first.arrays, key))
+    _, outputs = inference(
         model,
         itertools.chain([first], it),
         key=key,
         loss_step=None,
-        pred_step=functools.partial(_jit_predict, pred_fn),
+        pred_step=predict_step(pred_fn),
         output_fn=output_fn,
     )
     assert outputs is not None
     return outputs
 
 
-# ----------------------------------------------------------------------------- fit
+# ----------------------------------------------------------------------------- the run's folder
+
+_RUN_FILES = ("ckpts", "metrics.jsonl", "eval")
 
 
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.ndarray | np.generic):
-        return x.tolist()
-    if isinstance(x, jax.Array):
-        return np.asarray(x).tolist()
-    return repr(x)
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
-def _scalar_metrics(metrics: Any) -> dict[str, float]:
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"metric_fn must return a dict of numbers, got {type(metrics).__name__}.")
-    out = {}
-    for k, v in metrics.items():
-        if np.ndim(v) != 0:
-            raise ValueError(f"metric_fn must return scalars; {k!r} has shape {np.shape(v)}.")
-        out[str(k)] = float(v)
-    return out
+def _claim_workdir(workdir: str, *, resume: bool, overwrite: bool, lead: bool) -> None:
+    """A workdir belongs to one run: refuse a fresh run where another run left its files."""
+    if resume and overwrite:
+        raise ValueError(
+            "resume=True continues the run in workdir and overwrite=True deletes it; pass one."
+        )
+    found = [
+        name
+        for name in _RUN_FILES
+        if os.path.isfile(os.path.join(workdir, name))
+        or (os.path.isdir(os.path.join(workdir, name)) and os.listdir(os.path.join(workdir, name)))
+    ]
+    if resume or not found:
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"workdir {workdir} already holds a run ({', '.join(found)}). Pass resume=True to "
+            "continue that run, overwrite=True to delete its checkpoints and logs and start "
+            "afresh, or a new or empty workdir."
+        )
+    if lead:
+        for name in found:
+            path = os.path.join(workdir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    _barrier("redcoast-claim-workdir")
 
 
 @contextlib.contextmanager
@@ -382,6 +253,273 @@ def _restore_history(path: str, step: int, lead: bool) -> dict[str, list[dict[st
     return history
 
 
+def _resume(
+    found: Path, state: LoopState, *, seed: int, size: int, workdir: str, lead: bool
+) -> tuple[LoopState, dict[str, Any]]:
+    """The state saved in checkpoint `found`, checked against this run's seed and batch."""
+    # Loaded into the shardings of the freshly placed model and optimizer state.
+    ckpt = load_checkpoint(found, like=state.model, opt_state_like=state.opt_state)
+    loop = ckpt.state.get("loop", {})
+    if loop.get("seed") != seed or loop.get("global_batch_size") != size:
+        raise ValueError(
+            f"cannot resume step-exactly from {found}: it was saved with seed="
+            f"{loop.get('seed')} and a global batch of {loop.get('global_batch_size')}, "
+            f"this run has seed={seed} and a global batch of {size}. Use the same seed "
+            "and per_device_batch_size x data shards x accumulate_grad_batches, or a "
+            "new workdir."
+        )
+    best = state.best
+    if best is not None and loop.get("best") and loop["best"]["metric"] == best.metric:
+        best = dataclasses.replace(best, **loop["best"])
+    history = _restore_history(os.path.join(workdir, "metrics.jsonl"), ckpt.step, lead)
+    if lead:
+        print(f"redcoast: resuming from {found} (step {ckpt.step}, epoch {loop['epoch']})")
+    resumed = dataclasses.replace(
+        state,
+        model=ckpt.model,
+        opt_state=ckpt.opt_state,
+        step=ckpt.step,
+        epoch=int(loop["epoch"]),
+        position=int(loop["position"]),
+        best=best,
+    )
+    return resumed, history
+
+
+# ----------------------------------------------------------------------------- fit's hooks
+
+
+def _log_hooks(buffer: MetricsBuffer, log_every: int) -> list[Hook]:
+    """Keep every step's metrics; fetch them one step behind, and at epoch ends."""
+    return [
+        always(lambda s: buffer.add(s.step, s.epoch, s.metrics)),
+        # Fetching step s - 1 leaves step s running on the devices meanwhile.
+        Hook(
+            lambda s: buffer.flush(s.step - 1),
+            lambda s: s.step > 1 and (s.step - 1) % log_every == 0,
+        ),
+        Hook(lambda s: buffer.flush(s.step), lambda s: s.epoch_end or s.last),
+    ]
+
+
+def _eval_hook(
+    evaluation: Evaluation,
+    *,
+    evaluate: Callable[[LoopState], dict[str, float]],
+    buffer: MetricsBuffer,
+    save_best: Callable[[LoopState], None] | None,
+) -> Hook:
+    """Evaluate when due; track the best metric and keep its checkpoint."""
+
+    def fn(s: LoopState) -> LoopState | None:
+        buffer.flush(s.step)
+        metrics = evaluate(s)
+        if s.best is None:
+            return None
+        best, improved = s.best.update(metrics, s.step)
+        s = dataclasses.replace(s, best=best)
+        if improved and save_best is not None:
+            save_best(s)
+        return s
+
+    n = evaluation.every
+    return Hook(fn, lambda s: s.last or (s.step % n == 0 if n is not None else s.epoch_end))
+
+
+def _evaluator(
+    evaluation: Evaluation,
+    *,
+    loss_fn: LossFn,
+    collate_fn: CollateFn,
+    mesh: Mesh,
+    batch_size: int,
+    key: Any,
+    emit: Callable[[dict[str, Any], int], None],
+    records: list[dict[str, Any]],
+    eval_dir: str | None,
+) -> Callable[[LoopState], dict[str, float]]:
+    """`state -> metrics`: one evaluation, logged, and written to `eval_dir` if given."""
+    loss_step = functools.partial(jit_eval_first, loss_fn)
+    pred_step = None if evaluation.pred_fn is None else predict_step(evaluation.pred_fn)
+
+    def evaluate(s: LoopState) -> dict[str, float]:
+        loss_metrics, outputs = inference(
+            s.model,
+            batches(
+                evaluation.examples,
+                collate_fn=collate_fn,
+                mesh=mesh,
+                batch_size=batch_size,
+                shuffle=False,
+                drop_last=False,
+            ),
+            key=key,
+            loss_step=loss_step,
+            pred_step=pred_step,
+            output_fn=evaluation.output_fn,
+        )
+        metrics = dict(loss_metrics or {})
+        if evaluation.metric_fn is not None:
+            assert outputs is not None
+            metrics.update(scalar_metrics(evaluation.metric_fn(evaluation.examples, outputs)))
+        record = {"epoch": s.epoch, **{f"eval_{k}": v for k, v in metrics.items()}}
+        records.append({"step": s.step, **record})
+        emit(record, s.step)
+        if eval_dir is not None:
+            os.makedirs(eval_dir, exist_ok=True)
+            with open(os.path.join(eval_dir, f"step_{s.step:08d}.json"), "w") as f:
+                dump = {"step": s.step, "epoch": s.epoch, "metrics": metrics, "outputs": outputs}
+                json.dump(dump, f, default=_json_default)
+        return metrics
+
+    return evaluate
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.ndarray | np.generic | jax.Array):
+        return np.asarray(x).tolist()
+    return repr(x)
+
+
+def _saver(
+    *, seed: int, size: int, key: Any, buffer: MetricsBuffer
+) -> Callable[[Path, LoopState], None]:
+    """`(path, state) -> None`: a checkpoint that resumes this run step-exactly."""
+
+    def save(path: Path, s: LoopState) -> None:
+        loop = {
+            "epoch": s.epoch,
+            "position": s.position,
+            "seed": seed,
+            "global_batch_size": size,
+            "best": None if s.best is None else dataclasses.asdict(s.best),
+        }
+        save_checkpoint(
+            path,
+            model=s.model,
+            opt_state=s.opt_state,
+            step=s.step,
+            loop=loop,
+            rng=np.asarray(jax.random.key_data(key)),
+            metrics=dict(buffer.last),
+        )
+
+    return save
+
+
+def _checkpoint_hook(
+    config: Checkpointing,
+    ckpt_dir: str,
+    *,
+    save: Callable[[Path, LoopState], None],
+    buffer: MetricsBuffer,
+    lead: bool,
+) -> Hook:
+    """Save `step_*` checkpoints when due and on a stop; prune the run's old ones."""
+
+    def fn(s: LoopState) -> None:
+        buffer.flush(s.step)
+        save(step_checkpoint_path(ckpt_dir, s.step), s)
+        if lead and config.keep_last_n is not None:
+            prune_checkpoints(ckpt_dir, config.keep_last_n)
+
+    def due(s: LoopState) -> bool:
+        periodic = config.every is not None and s.step % config.every == 0
+        return periodic or (s.last and config.last) or s.stop is not None
+
+    return Hook(fn, due)
+
+
+def _stop_hook(caught: list[str], log_every: int) -> Hook:
+    """Stop after a signal; in a multi-process run every process agrees, at logging steps."""
+
+    def fn(s: LoopState) -> LoopState | None:
+        if not _any_process(bool(caught)):
+            return None
+        why = f"{caught[0]} received" if caught else "a signal to another process"
+        return dataclasses.replace(s, stop=why)
+
+    def due(s: LoopState) -> bool:
+        return s.stop is None and (jax.process_count() == 1 or s.step % log_every == 0 or s.last)
+
+    return Hook(fn, due)
+
+
+def _check_options(
+    *,
+    n_epochs: int | None,
+    max_steps: int | None,
+    log_every: int,
+    on_nonfinite: str,
+    workdir: Any,
+    checkpointing: Checkpointing | None,
+    resume: bool,
+    overwrite: bool,
+) -> None:
+    if n_epochs is None and max_steps is None:
+        raise ValueError("fit needs n_epochs or max_steps (or both) to know when to stop.")
+    check_positive("n_epochs", n_epochs)
+    check_positive("max_steps", max_steps)
+    check_positive("log_every", log_every, optional=False)
+    if on_nonfinite not in ("raise", "skip"):
+        raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
+    if workdir is None:
+        for name, value in (
+            ("checkpointing", checkpointing),
+            ("resume", resume),
+            ("overwrite", overwrite),
+        ):
+            if value:
+                raise ValueError(f"{name} needs a workdir to keep checkpoints in; pass workdir=.")
+
+
+def _epochs(
+    train_examples: Sequence[Any] | Callable[[int], Sequence[Any]],
+    *,
+    collate_fn: CollateFn,
+    mesh: Mesh,
+    size: int,
+    seed: int,
+) -> tuple[Batch, Callable[[int, int], tuple[Iterator[Batch], int]]]:
+    """The first batch (collated once, to trace `loss_fn`), and `(epoch, start) -> batches`."""
+
+    def examples_of(epoch: int) -> Sequence[Any]:
+        examples = train_examples(epoch) if callable(train_examples) else train_examples
+        examples = check_examples(examples, f"train_examples (epoch {epoch})")
+        if len(examples) < size:
+            raise ValueError(
+                f"train_examples has {len(examples)} examples in epoch {epoch}, fewer than one "
+                f"global batch of {size} (per_device_batch_size x {mesh_shape(mesh)[0]} data "
+                "shards x accumulate_grad_batches); the partial batch would be dropped. Use "
+                "a smaller per_device_batch_size."
+            )
+        return examples
+
+    # Asked for once: train_examples(epoch) may build the examples anew on each call.
+    first_examples = examples_of(0)
+    kw: dict[str, Any] = {"collate_fn": collate_fn, "mesh": mesh, "batch_size": size, "seed": seed}
+    first = next(batches(first_examples, epoch=0, **kw))
+
+    def epoch_batches(epoch: int, start: int) -> tuple[Iterator[Batch], int]:
+        examples = first_examples if epoch == 0 else examples_of(epoch)
+        if epoch == 0 and start == 0:
+            it = itertools.chain([first], batches(examples, epoch=0, start=1, **kw))
+        else:
+            it = batches(examples, epoch=epoch, start=start, **kw)
+        return it, len(examples) // size
+
+    return first, epoch_batches
+
+
+def _total_steps(
+    train_examples: Any, n_epochs: int | None, max_steps: int | None, size: int
+) -> int | None:
+    if callable(train_examples) or n_epochs is None:
+        return max_steps
+    per_run = n_epochs * (len(train_examples) // size)
+    return per_run if max_steps is None else min(max_steps, per_run)
+
+
 def fit(
     model: PyTree,
     optimizer: optax.GradientTransformation,
@@ -394,19 +532,13 @@ def fit(
     n_epochs: int | None = None,
     max_steps: int | None = None,
     accumulate_grad_batches: int = 1,
-    eval_examples: Sequence[Any] | None = None,
-    eval_per_device_batch_size: int | None = None,
-    eval_every: int | None = None,
-    pred_fn: PredFn | None = None,
-    output_fn: Callable[[Any], Any] | None = None,
-    metric_fn: Callable[[Sequence[Any], list[Any]], Mapping[str, Any]] | None = None,
-    save_best: tuple[str, Literal["max", "min"]] | None = None,
+    evaluation: Evaluation | None = None,
     workdir: str | os.PathLike[str] | None = None,
-    save_every: int | None = None,
-    save_last: bool = True,
-    keep_last_n: int | None = None,
+    checkpointing: Checkpointing | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     seed: int = 0,
+    hooks: Sequence[Hook] = (),
     loggers: Sequence[Logger] = (),
     progress: bool = True,
     log_every: int = 10,
@@ -422,25 +554,31 @@ def fit(
     (`train_step`). Step `s` (counting from 0) uses the key `fold_in(key(seed), s)`.
     A last partial batch of an epoch is dropped.
 
-    With a `workdir`, checkpoints go to `workdir/ckpts/step_XXXXXXXX` (every
-    `save_every` steps, at the end with `save_last`, and when SIGTERM or SIGINT
-    arrives: the current step finishes, a checkpoint is saved and the process
-    exits with code 0). `resume=True` continues step-exactly from the newest of
-    them: same parameters, optimizer state, position in the epoch's data order
-    and random keys, so an interrupted run ends where an uninterrupted one does.
-    The best evaluation (`save_best`) is kept apart in `workdir/ckpts/best`, which
-    resuming never picks.
+    `fit` never invalidates arrays it was given: the step donates its inputs, so
+    arrays of `model` or `opt_state` that it would donate as they are are copied
+    first; `model` stays usable after `fit` (for another `fit`, or to evaluate the
+    starting point).
 
-    The model and optimizer state are donated to the jitted step: use
-    `result.model` afterwards, not the model you passed in if it was already
-    placed on `mesh`.
+    A `workdir` belongs to one run. There, `metrics.jsonl` gets the logged records,
+    `eval/step_XXXXXXXX.json` each evaluation's metrics and outputs, and `ckpts/`
+    the checkpoints: `step_XXXXXXXX` as `checkpointing` says (by default after the
+    last step), and `best` for `evaluation.save_best`, which resuming never picks.
+    `resume=True` continues step-exactly from the newest complete `step_*`
+    checkpoint: same parameters, optimizer state, position in the epoch's data
+    order and keys. A fresh run in a workdir that holds another run's files stops
+    with an error unless `overwrite=True`, which deletes them first.
+
+    With a workdir, SIGTERM and SIGINT (Ctrl-C) stop the run after the current
+    step: a checkpoint is saved, the handlers that were there before are restored
+    and `FitResult.stopped_by` names the signal. A second signal goes to the
+    previous handler at once.
 
     Args:
-        model: an Equinox model. If it is not on `mesh`, it is split with
-            `sharding_rules` (tracing `loss_fn` on the first batch) when the mesh has
-            a model axis > 1, and replicated otherwise.
+        model: an Equinox model, placed on `mesh` by `place` (split by the sharding
+            rules, tracing `loss_fn` on the first batch, when the mesh has a model
+            axis > 1).
         optimizer: an optax optimizer; wrap it in `optax.inject_hyperparams` to log
-            the learning rate.
+            the learning rate (or pass `schedule`).
         train_examples: a sequence, or `epoch -> sequence` (same on every process).
         collate_fn: `(examples: list) -> dict[str, np.ndarray]`.
         loss_fn: `(model, batch, key) -> loss` or `(loss, dict_of_scalars)`.
@@ -449,150 +587,80 @@ def fit(
         n_epochs: epochs to run; at least one of `n_epochs` and `max_steps`.
         max_steps: optimizer steps to run (stops mid-epoch if reached).
         accumulate_grad_batches: micro-batches per optimizer step.
-        eval_examples: a sequence to evaluate on.
-        eval_per_device_batch_size: defaults to `per_device_batch_size`.
-        eval_every: evaluate every this many steps; default at the end of each
-            epoch. The last step is always evaluated.
-        pred_fn: `(model, batch, key) -> pytree of arrays`, for eval predictions.
-        output_fn: one example's predictions (NumPy) -> output, as in `predict`.
-        metric_fn: `(eval_examples, outputs) -> dict of numbers`.
-        save_best: `(metric, "max" | "min")`: track the best evaluation (metric is
-            `"loss"` or a key of `metric_fn`'s dict) in `history["best"]`, and with a
-            `workdir` keep its checkpoint in `workdir/ckpts/best`.
-        workdir: where `metrics.jsonl`, `eval/step_XXXXXXXX.json` (metrics and
-            outputs of each evaluation) and `ckpts/` are written, by process 0.
-        save_every: save a checkpoint every this many steps (needs `workdir`).
-        save_last: save a checkpoint after the last step (when `workdir` is set).
-        keep_last_n: keep only the newest this many `step_*` checkpoints.
+        evaluation: what to evaluate on and when (`Evaluation`).
+        workdir: the run's folder, written by process 0.
+        checkpointing: when to save `step_*` checkpoints (`Checkpointing`); needs a
+            workdir, where the default is `Checkpointing()` (after the last step).
         resume: continue from the newest checkpoint in `workdir/ckpts`, if any.
+        overwrite: delete another run's checkpoints and logs found in `workdir`.
         seed: the one seed for shuffling and the step keys.
+        hooks: `Hook`s (e.g. `every(n, fn)`) run after the built-in logging and
+            evaluation, before checkpointing; a hook may return the state to go on
+            with (setting `stop` ends the run after a checkpoint). In a
+            multi-process run every process must take the same decisions.
         loggers: callables `(metrics, step) -> None`, called on process 0.
         progress: show a progress bar on process 0.
         log_every: fetch metrics from the devices and log every this many steps (and
-            at the last step). A non-finite loss is detected here, so with
-            `on_nonfinite="raise"` training stops within `log_every + 1` steps of it.
-        on_nonfinite: `"raise"` stops with an error naming the first step whose loss
-            was not finite; `"skip"` leaves the model unchanged on such steps.
+            at epoch ends, evaluations and checkpoints).
+        on_nonfinite: the step checks the loss, the gradient norm and the updated
+            parameters. `"raise"` stops with an error naming the first step where
+            one was not finite, within `log_every + 1` steps and before any
+            checkpoint of it is written; `"skip"` leaves the model and optimizer
+            state unchanged on such steps and counts them in `skipped`.
         opt_state: an optimizer state to continue from; `optimizer.init` otherwise.
-        schedule: `count -> lr`, to log the learning rate when the optimizer does not
-            expose it.
+        schedule: `count -> lr`, to log the learning rate.
 
     Returns:
-        A `FitResult` with `model`, `opt_state`, `step` and `history`.
+        A `FitResult` with `model`, `opt_state`, `step`, `history` and `stopped_by`.
 
     Example:
         >>> result = fit(model, optax.adamw(1e-3), train, collate_fn=collate_fn,
         ...              loss_fn=loss_fn, mesh=make_mesh(2), per_device_batch_size=8,
-        ...              n_epochs=2, eval_examples=val, pred_fn=pred_fn,
-        ...              metric_fn=metric_fn, save_best=("accuracy", "max"),
-        ...              workdir="runs/x", save_every=500, resume=True)
+        ...              n_epochs=2, workdir="runs/x", resume=True,
+        ...              evaluation=Evaluation(val, pred_fn=pred_fn, metric_fn=metric_fn,
+        ...                                    save_best=("accuracy", "max")),
+        ...              checkpointing=Checkpointing(every=500, keep_last_n=3))
         >>> result.history["eval"][-1]["eval_accuracy"]
     """
-    if n_epochs is None and max_steps is None:
-        raise ValueError("fit needs n_epochs or max_steps (or both) to know when to stop.")
-    for name, value in (
-        ("n_epochs", n_epochs),
-        ("max_steps", max_steps),
-        ("eval_every", eval_every),
-        ("eval_per_device_batch_size", eval_per_device_batch_size),
-        ("save_every", save_every),
-        ("keep_last_n", keep_last_n),
-    ):
-        check_positive(name, value)
-    check_positive("log_every", log_every, optional=False)
-    if on_nonfinite not in ("raise", "skip"):
-        raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
-    if (output_fn is not None or metric_fn is not None) and pred_fn is None:
-        raise ValueError("output_fn and metric_fn work on predictions: pass pred_fn as well.")
-    if workdir is None:
-        for name, value in (
-            ("save_every", save_every),
-            ("keep_last_n", keep_last_n),
-            ("resume", resume),
-        ):
-            if value:
-                raise ValueError(f"{name} needs a workdir to keep checkpoints in; pass workdir=.")
-    best = None
-    if save_best is not None:
-        if not isinstance(save_best, tuple) or len(save_best) != 2:
-            raise ValueError(f"save_best must be (metric_name, 'max' | 'min'), got {save_best!r}.")
-        if eval_examples is None:
-            raise ValueError("save_best compares evaluations: pass eval_examples as well.")
-        best = BestMetric(*save_best)
-    if eval_examples is not None:
-        eval_examples = _check_examples(eval_examples, "eval_examples")
-
-    mesh = mesh or _model_mesh(model) or make_mesh(1)
+    _check_options(
+        n_epochs=n_epochs,
+        max_steps=max_steps,
+        log_every=log_every,
+        on_nonfinite=on_nonfinite,
+        workdir=workdir,
+        checkpointing=checkpointing,
+        resume=resume,
+        overwrite=overwrite,
+    )
+    mesh = mesh or model_mesh(model) or make_mesh(1)
     size = global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches)
-    eval_size = global_batch_size(mesh, eval_per_device_batch_size or per_device_batch_size)
-    base_key = jax.random.key(seed)
+    key = jax.random.key(seed)
     lead = jax.process_index() == 0
-    workdir = None if workdir is None else os.fspath(workdir)
-    ckpt_dir = None if workdir is None else os.path.join(workdir, "ckpts")
-    metrics_path = None if workdir is None else os.path.join(workdir, "metrics.jsonl")
-    sinks: list[Logger] = list(loggers)
-    if metrics_path is not None:
-        sinks.insert(0, jsonl_logger(metrics_path))
-
-    def epoch_examples(epoch: int) -> Sequence[Any]:
-        examples = train_examples(epoch) if callable(train_examples) else train_examples
-        examples = _check_examples(examples, f"train_examples (epoch {epoch})")
-        if len(examples) < size:
-            raise ValueError(
-                f"train_examples has {len(examples)} examples in epoch {epoch}, fewer than one "
-                f"global batch of {size} (per_device_batch_size={per_device_batch_size} x "
-                f"{mesh_shape(mesh)[0]} data shards x accumulate_grad_batches="
-                f"{accumulate_grad_batches}); the partial batch would be dropped. Use a "
-                f"smaller per_device_batch_size."
-            )
-        return examples
-
-    def epoch_batches(epoch: int, examples: Sequence[Any], start: int = 0) -> Iterator[Batch]:
-        return batches(
-            examples,
-            collate_fn=collate_fn,
-            mesh=mesh,
-            batch_size=size,
-            seed=seed,
-            epoch=epoch,
-            shuffle=True,
-            drop_last=True,
-            start=start,
-        )
-
-    # Asked for once: train_examples(epoch) may build the examples anew on each call.
-    first_examples = epoch_examples(0)
-    first = next(epoch_batches(0, first_examples))
-    model = _place_model(model, mesh, lambda m: loss_fn(m, first.arrays, base_key))
-    if opt_state is None:
-        opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    opt_state = _replicate_strays(opt_state, mesh)
-
-    step = epoch = position = 0
+    root = None if workdir is None else os.fspath(workdir)
+    if root is not None:
+        _claim_workdir(root, resume=resume, overwrite=overwrite, lead=lead)
+    first, epoch_batches = _epochs(
+        train_examples, collate_fn=collate_fn, mesh=mesh, size=size, seed=seed
+    )
+    placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, key))
+    opt = (
+        opt_state
+        if opt_state is not None
+        else optimizer.init(eqx.filter(placed, eqx.is_inexact_array))
+    )
+    state = LoopState(
+        placed,
+        replicate_strays(opt, mesh),
+        best=None if evaluation is None else evaluation.best(),
+    )
     history: dict[str, Any] = {"train": [], "eval": []}
-    found = latest_checkpoint(ckpt_dir) if resume and ckpt_dir is not None else None
-    if found is not None:
-        # Loading into the shardings of the freshly placed model and optimizer state.
-        ckpt = load_checkpoint(found, like=model, opt_state_like=opt_state)
-        loop = ckpt.state.get("loop", {})
-        if loop.get("seed") != seed or loop.get("global_batch_size") != size:
-            raise ValueError(
-                f"cannot resume step-exactly from {found}: it was saved with seed="
-                f"{loop.get('seed')} and a global batch of {loop.get('global_batch_size')}, "
-                f"this run has seed={seed} and a global batch of {size}. Use the same seed "
-                "and per_device_batch_size x data shards x accumulate_grad_batches, or a "
-                "new workdir."
-            )
-        model, opt_state = ckpt.model, ckpt.opt_state
-        step, epoch, position = ckpt.step, int(loop["epoch"]), int(loop["position"])
-        if best is not None and loop.get("best") and loop["best"]["metric"] == best.metric:
-            best = dataclasses.replace(best, **loop["best"])
-        assert metrics_path is not None
-        history = _restore_history(metrics_path, step, lead)
-        if best is not None and best.value is not None:
-            history["best"] = dataclasses.asdict(best)
-        if lead:
-            print(f"redcoast: resuming from {found} (step {step}, epoch {epoch})", flush=True)
+    found = None if root is None or not resume else latest_checkpoint(os.path.join(root, "ckpts"))
+    if found is not None and root is not None:
+        state, history = _resume(found, state, seed=seed, size=size, workdir=root, lead=lead)
+    given = (model, opt_state)
+    state = dataclasses.replace(
+        state, model=own_copy(state.model, given), opt_state=own_copy(state.opt_state, given)
+    )
 
     core = train_step(
         loss_fn,
@@ -603,200 +671,93 @@ def fit(
         skip_nonfinite=on_nonfinite == "skip",
         jit=False,
     )
-    step_fn = _donating_jit(
-        lambda m, o, batch, key, s: core(m, o, batch, jax.random.fold_in(key, s))
-    )
-    loss_step = functools.partial(_jit_eval_first, loss_fn)
-    pred_step = None if pred_fn is None else functools.partial(_jit_predict, pred_fn)
+    jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
+    sinks = ([] if root is None else [jsonl_logger(os.path.join(root, "metrics.jsonl"))]) + [
+        *loggers
+    ]
+    with (
+        ProgressBar(
+            _total_steps(train_examples, n_epochs, max_steps, size),
+            enabled=progress and lead,
+            completed=state.step,
+        ) as bar,
+        _stop_requests(root is not None) as caught,
+    ):
 
-    total = max_steps
-    if not callable(train_examples) and n_epochs is not None:
-        per_epoch = n_epochs * (len(train_examples) // size)
-        total = per_epoch if max_steps is None else min(max_steps, per_epoch)
+        def emit(record: dict[str, Any], at: int) -> None:
+            if lead:
+                for sink in sinks:
+                    sink(record, at)
+            bar.show(record)
 
-    pending: list[tuple[int, int, dict[str, Any]]] = []
-    clock = {"t": time.perf_counter(), "step": step}
-    timing = {"data_s": 0.0, "step_call_s": 0.0, "other_s": 0.0, "steps": 0}
-    last_record: dict[str, Any] = {}
-
-    def emit(record: dict[str, Any], at: int) -> None:
-        if lead:
-            for sink in sinks:
-                sink(record, at)
-
-    def flush(upto: int) -> None:
-        """Fetch the metrics of steps <= upto in one transfer; check them; log the last."""
-        chunk = [p for p in pending if p[0] <= upto]
-        if not chunk:
-            return
-        del pending[: len(chunk)]
-        host = jax.device_get([m for _, _, m in chunk])
-        if on_nonfinite == "raise":
-            for (s, e, _), m in zip(chunk, host, strict=True):
-                if not math.isfinite(float(m["loss"])):
-                    raise FloatingPointError(
-                        f"the loss is {float(m['loss'])} at step {s} (epoch {e}); training "
-                        "stopped. Lower the learning rate or check the data for that step, "
-                        "or pass on_nonfinite='skip' to skip such updates."
-                    )
-        s, e, _ = chunk[-1]
-        now = time.perf_counter()
-        rate = (s - clock["step"]) / max(now - clock["t"], 1e-9)
-        clock.update(t=now, step=s)
-        record = {"epoch": e, **{k: float(v) for k, v in host[-1].items()}}
-        if "skipped" in record:
-            record["skipped"] = sum(float(m["skipped"]) for m in host)
-        record.update(steps_per_s=rate, examples_per_s=rate * size)
-        history["train"].append({"step": s, **record})
-        last_record.clear()
-        last_record.update(record)
-        emit(record, s)
-        bar.show(record)
-
-    def save(path: Path, at: int, at_epoch: int, at_position: int) -> None:
-        loop = {
-            "epoch": at_epoch,
-            "position": at_position,
-            "seed": seed,
-            "global_batch_size": size,
-            "best": None if best is None else dataclasses.asdict(best),
-        }
-        save_checkpoint(
-            path,
-            model=model,
-            opt_state=opt_state,
-            step=at,
-            loop=loop,
-            rng=np.asarray(jax.random.key_data(base_key)),
-            metrics=dict(last_record),
+        buffer = MetricsBuffer(
+            emit=emit,
+            examples_per_step=size,
+            raise_nonfinite=on_nonfinite == "raise",
+            step=state.step,
+            records=history["train"],
         )
-
-    def evaluate(at: int, at_epoch: int) -> None:
-        nonlocal best
-        assert eval_examples is not None
-        loss_metrics, outputs = _inference(
-            model,
-            batches(
-                eval_examples,
+        save = _saver(seed=seed, size=size, key=key, buffer=buffer)
+        all_hooks = _log_hooks(buffer, log_every)
+        if evaluation is not None:
+            evaluate = _evaluator(
+                evaluation,
+                loss_fn=loss_fn,
                 collate_fn=collate_fn,
                 mesh=mesh,
-                batch_size=eval_size,
-                shuffle=False,
-                drop_last=False,
-            ),
-            key=base_key,
-            loss_step=loss_step,
-            pred_step=pred_step,
-            output_fn=output_fn,
-        )
-        metrics = dict(loss_metrics or {})
-        if metric_fn is not None:
-            assert outputs is not None
-            metrics.update(_scalar_metrics(metric_fn(eval_examples, outputs)))
-        record = {"epoch": at_epoch, **{f"eval_{k}": v for k, v in metrics.items()}}
-        history["eval"].append({"step": at, **record})
-        emit(record, at)
-        bar.show(record)
-        if lead and workdir is not None:
-            os.makedirs(os.path.join(workdir, "eval"), exist_ok=True)
-            with open(os.path.join(workdir, "eval", f"step_{at:08d}.json"), "w") as f:
-                json.dump(
-                    {"step": at, "epoch": at_epoch, "metrics": metrics, "outputs": outputs},
-                    f,
-                    default=_json_default,
+                batch_size=global_batch_size(
+                    mesh, evaluation.per_device_batch_size or per_device_batch_size
+                ),
+                key=key,
+                emit=emit,
+                records=history["eval"],
+                eval_dir=None if root is None or not lead else os.path.join(root, "eval"),
+            )
+            save_best = (
+                None if root is None else functools.partial(save, Path(root, "ckpts", "best"))
+            )
+            all_hooks.append(
+                _eval_hook(evaluation, evaluate=evaluate, buffer=buffer, save_best=save_best)
+            )
+        all_hooks += hooks
+        if root is not None:
+            all_hooks.append(_stop_hook(caught, log_every))
+            all_hooks.append(
+                _checkpoint_hook(
+                    checkpointing or Checkpointing(),
+                    os.path.join(root, "ckpts"),
+                    save=save,
+                    buffer=buffer,
+                    lead=lead,
                 )
-        if best is not None:
-            best, improved = best.update(metrics, at)
-            history["best"] = dataclasses.asdict(best)
-            if improved and ckpt_dir is not None:
-                save(Path(ckpt_dir) / "best", at, at_epoch, position)
-
-    def done() -> bool:
-        return (max_steps is not None and step >= max_steps) or (
-            n_epochs is not None and epoch >= n_epochs
-        )
-
-    stopped_by: str | None = None
-    with (
-        ProgressBar(total, enabled=progress and lead, completed=step) as bar,
-        _stop_requests(ckpt_dir is not None) as caught,
-    ):
+            )
+        all_hooks.append(always(lambda s: bar.advance(s.step)))
         try:
-            while not done():
-                examples = first_examples if epoch == 0 else epoch_examples(epoch)
-                n_batches = len(examples) // size
-                if epoch == 0 and position == 0:
-                    it = itertools.chain([first], epoch_batches(epoch, examples, start=1))
-                else:
-                    it = epoch_batches(epoch, examples, start=position)
-                t_end = time.perf_counter()
-                for batch in it:
-                    t_call = time.perf_counter()
-                    model, opt_state, metrics = step_fn(
-                        model, opt_state, batch.arrays, base_key, np.int32(step)
-                    )
-                    t_ret = time.perf_counter()
-                    step += 1
-                    position += 1
-                    pending.append((step, epoch, metrics))
-                    # Logging one step behind leaves this step running on the devices
-                    # while the host reads the previous one's metrics.
-                    if (step - 1) % log_every == 0 and step > 1:
-                        flush(step - 1)
-                    last = (max_steps is not None and step >= max_steps) or (
-                        position == n_batches and n_epochs is not None and epoch == n_epochs - 1
-                    )
-                    if eval_examples is not None and (
-                        last
-                        or (eval_every is not None and step % eval_every == 0)
-                        or (eval_every is None and position == n_batches)
-                    ):
-                        flush(step)
-                        evaluate(step, epoch)
-                    # Every process must take the same decision: in a multi-process run
-                    # the processes agree on a signal at logging boundaries.
-                    if (jax.process_count() == 1 or step % log_every == 0 or last) and (
-                        _any_process(bool(caught))
-                    ):
-                        stopped_by = caught[0] if caught else "a signal to another process"
-                    if ckpt_dir is not None and (
-                        (save_every is not None and step % save_every == 0)
-                        or (last and save_last)
-                        or stopped_by
-                    ):
-                        flush(step)
-                        save(step_checkpoint_path(ckpt_dir, step), step, epoch, position)
-                        if lead and keep_last_n is not None:
-                            prune_checkpoints(ckpt_dir, keep_last_n)
-                    bar.advance(step)
-                    t_next = time.perf_counter()
-                    if step > 1:
-                        timing["data_s"] += t_call - t_end
-                        timing["step_call_s"] += t_ret - t_call
-                        timing["other_s"] += t_next - t_ret
-                        timing["steps"] += 1
-                    t_end = t_next
-                    if last or stopped_by:
-                        break
-                flush(step)
-                if stopped_by or (max_steps is not None and step >= max_steps):
-                    break
-                epoch += 1
-                position = 0
+            state, timing = run_loop(
+                state,
+                step_fn=lambda m, o, b, s: jitted(m, o, b, key, np.int32(s)),
+                epoch_batches=epoch_batches,
+                hooks=all_hooks,
+                n_epochs=n_epochs,
+                max_steps=max_steps,
+            )
+            buffer.flush(state.step)
         finally:
             if lead:
                 close_loggers(sinks)
-    if stopped_by:
-        assert ckpt_dir is not None
-        where = step_checkpoint_path(ckpt_dir, step)
-        if lead:
-            print(
-                f"redcoast: {stopped_by} received; stopped after step {step} and saved "
-                f"{where}. Run again with resume=True to continue.",
-                file=sys.stderr,
-                flush=True,
-            )
-        raise SystemExit(0)
-    n = max(1, timing.pop("steps"))
-    history["timing"] = {k: v / n for k, v in timing.items()}
-    return FitResult(model=model, opt_state=opt_state, step=step, history=history)
+    if state.stop is not None and lead:
+        saved = (
+            ""
+            if root is None
+            else f"; saved {step_checkpoint_path(Path(root, 'ckpts'), state.step)}"
+        )
+        print(
+            f"redcoast: stopped after step {state.step} ({state.stop}){saved}. Run again with "
+            "resume=True to continue.",
+            file=sys.stderr,
+            flush=True,
+        )
+    history["timing"] = timing
+    if state.best is not None and (state.best.value is not None or history["eval"]):
+        history["best"] = dataclasses.asdict(state.best)
+    return FitResult(state.model, state.opt_state, state.step, history, stopped_by=state.stop)

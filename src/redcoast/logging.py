@@ -12,10 +12,12 @@ import importlib
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType, TracebackType
 from typing import Any
 
+import jax
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -226,3 +228,83 @@ class ProgressBar:
             self._latest.update({k: metrics[k] for k in keys if k in metrics})
             info = "  ".join(f"{k} {_fmt(v)}" for k, v in self._latest.items())
             self._progress.update(self._task, info=info)
+
+
+def _nonfinite_error(step: int, epoch: int, metrics: Mapping[str, Any]) -> FloatingPointError:
+    loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    if not math.isfinite(loss):
+        what = f"the loss is {loss}"
+    elif not math.isfinite(norm):
+        what = f"the gradient norm is {norm} (the loss, {loss:.4g}, is finite)"
+    else:
+        what = "an updated parameter is not finite (the loss and gradient norm are)"
+    return FloatingPointError(
+        f"{what} at step {step} (epoch {epoch}); training stopped before anything of that "
+        "step was saved. Lower the learning rate or check the data for that step, or pass "
+        "on_nonfinite='skip' to skip such updates."
+    )
+
+
+class MetricsBuffer:
+    """The device metrics of recent steps, fetched in one transfer per flush, then logged.
+
+    Reading a step's metrics waits for that step, so `fit` adds every step's metrics
+    here and flushes once per logging interval, one step behind the devices.
+
+    Args:
+        emit: `(record, step) -> None`, called with the record of the last step of
+            each flush (the sinks and the progress bar).
+        examples_per_step: the global batch, for `examples_per_s`.
+        raise_nonfinite: raise `FloatingPointError` naming the first step whose loss,
+            gradient norm or parameters were not finite.
+        step: the step training starts from, for the first rate.
+        records: the list the logged records are appended to (`history["train"]`).
+
+    Example:
+        >>> buffer = MetricsBuffer(emit=print, examples_per_step=64, raise_nonfinite=True)
+        >>> buffer.add(1, 0, metrics); buffer.flush(1)
+    """
+
+    def __init__(
+        self,
+        *,
+        emit: Callable[[dict[str, Any], int], None],
+        examples_per_step: int,
+        raise_nonfinite: bool,
+        step: int = 0,
+        records: list[dict[str, Any]] | None = None,
+    ):
+        self._emit = emit
+        self._size = examples_per_step
+        self._raise = raise_nonfinite
+        self._pending: list[tuple[int, int, dict[str, Any]]] = []
+        self._clock = (time.perf_counter(), step)
+        self.records: list[dict[str, Any]] = [] if records is None else records
+        self.last: dict[str, Any] = {}
+
+    def add(self, step: int, epoch: int, metrics: dict[str, Any]) -> None:
+        """Keep `metrics` (device scalars) of `step` until the next flush."""
+        self._pending.append((step, epoch, metrics))
+
+    def flush(self, upto: int) -> None:
+        """Fetch the metrics of the steps <= `upto`, check them, and log the last."""
+        chunk = [p for p in self._pending if p[0] <= upto]
+        if not chunk:
+            return
+        del self._pending[: len(chunk)]
+        host = jax.device_get([m for _, _, m in chunk])
+        if self._raise:
+            for (s, e, _), m in zip(chunk, host, strict=True):
+                if float(m.get("nonfinite", 0.0)):
+                    raise _nonfinite_error(s, e, m)
+        s, e, _ = chunk[-1]
+        now = time.perf_counter()
+        rate = (s - self._clock[1]) / max(now - self._clock[0], 1e-9)
+        self._clock = (now, s)
+        record = {"epoch": e, **{k: float(v) for k, v in host[-1].items() if k != "nonfinite"}}
+        if "skipped" in record:
+            record["skipped"] = sum(float(m["skipped"]) for m in host)
+        record.update(steps_per_s=rate, examples_per_s=rate * self._size)
+        self.records.append({"step": s, **record})
+        self.last = record
+        self._emit(record, s)

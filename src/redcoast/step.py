@@ -31,7 +31,7 @@ PredFn = Callable[[Any, Any, PRNGKeyArray], Any]
 TrainStepFn = Callable[[Any, Any, Any, PRNGKeyArray], tuple[Any, Any, dict[str, Array]]]
 """`(model, opt_state, batch, key) -> (model, opt_state, metrics)`."""
 
-_RESERVED = ("loss", "grad_norm", "lr", "skipped", "weight")
+_RESERVED = ("loss", "grad_norm", "lr", "skipped", "nonfinite", "weight")
 _T = TypeVar("_T")
 
 
@@ -159,6 +159,18 @@ def _learning_rate(
     return jnp.asarray(found[0], jnp.float32) if len(found) == 1 else None
 
 
+def _all_finite(loss: Array, grad_norm: Array, params: Any) -> Array:
+    """Whether the loss, the gradient norm and every updated parameter are finite.
+
+    The parameters are checked as well because a finite gradient can still give a
+    non-finite update (an optimizer dividing by a vanishing second moment).
+    """
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    for p in jax.tree_util.tree_leaves(params):
+        ok = ok & jnp.isfinite(p).all()
+    return ok
+
+
 def _train_core(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -216,15 +228,16 @@ def _train_core(
         lr = _learning_rate(new_opt_state, opt_state, schedule)
         if lr is not None:
             metrics["lr"] = lr
+        ok = _all_finite(loss, grad_norm, new_params)
+        metrics["nonfinite"] = 1.0 - ok.astype(jnp.float32)
         if skip_nonfinite:
-            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
             def keep(new: Any, old: Any) -> Any:
                 return jnp.where(ok, new, old) if eqx.is_array(new) else new
 
             new_params = jax.tree.map(keep, new_params, params)
             new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-            metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
+            metrics["skipped"] = metrics["nonfinite"]
         metrics.update(aux)
         return eqx.combine(new_params, static), new_opt_state, metrics
 
@@ -259,7 +272,7 @@ def _shard_map_step(core: TrainStepFn, mesh: Mesh) -> TrainStepFn:
     return step
 
 
-def _donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
+def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
     """`eqx.filter_jit` of `fn(model, opt_state, *rest)` donating the model and optimizer state.
 
     `filter_jit` donates either everything or everything but the first argument, so
@@ -316,16 +329,18 @@ def train_step(
             `"data"`; the model is replicated, so the mesh needs one model shard).
         schedule: `count -> learning rate`, evaluated at the optimizer's step count to
             report `lr` when the optimizer does not expose it.
-        skip_nonfinite: when the loss or gradient norm is not finite, keep the old
-            model and optimizer state and report `skipped = 1`.
+        skip_nonfinite: when the loss, the gradient norm or an updated parameter is
+            not finite, keep the old model and optimizer state and report
+            `skipped = 1`.
         jit: wrap the step in `eqx.filter_jit`, donating the model and optimizer
             state (pass fresh ones each call). With `jit=False` the plain function
             is returned, to compose into your own transformations.
 
     Returns:
         The step function. `metrics` holds float32 scalars: `loss` and `grad_norm`
-        (averaged over micro-batches), `lr` when known, `skipped` with
-        `skip_nonfinite`, and the aux scalars `loss_fn` returned.
+        (averaged over micro-batches), `lr` when known, `nonfinite` (1 when the
+        loss, the gradient norm or an updated parameter is not finite, else 0),
+        `skipped` with `skip_nonfinite`, and the aux scalars `loss_fn` returned.
 
     Example:
         >>> step = train_step(loss_fn, optax.adamw(1e-3), accumulate_grad_batches=4)
@@ -356,7 +371,7 @@ def train_step(
     if data_parallel == "shard_map":
         assert mesh is not None
         core = _shard_map_step(core, mesh)
-    return _donating_jit(core) if jit else core
+    return donating_jit(core) if jit else core
 
 
 def _eval(
@@ -408,7 +423,7 @@ def _predict(pred_fn: PredFn, model: Any, batch: Any, key: Any) -> Any:
 # same loss_fn / pred_fn shares one compilation cache, so calling `predict` (or
 # building an eval step) again does not compile again.
 _jit_eval = eqx.filter_jit(_eval)
-_jit_eval_first = eqx.filter_jit(_eval_first)
+jit_eval_first = eqx.filter_jit(_eval_first)
 _jit_predict = eqx.filter_jit(_predict)
 
 

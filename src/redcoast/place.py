@@ -1,0 +1,136 @@
+"""Putting a model (and what travels with it) on a mesh, once, for everyone.
+
+`fit`, `predict` and a user's own loop all need the same three answers: is this
+model already on the mesh, on which specs should it go, and are the arrays the
+step is about to donate the caller's own? They live here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PyTree
+
+from .mesh import DATA, MODEL, mesh_shape
+from .sharding import shard, sharding_rules
+
+
+def _array_leaves(tree: PyTree) -> list[Any]:
+    return jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
+
+
+def _redcoast_sharding(x: Any) -> NamedSharding | None:
+    """`x`'s sharding if it is placed on a `("data", "model")` mesh."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == (DATA, MODEL):
+        return sharding
+    return None
+
+
+def _on_mesh(x: Any, mesh: Mesh) -> bool:
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+
+
+def model_mesh(model: PyTree) -> Mesh | None:
+    """The redcoast mesh the model's arrays already live on, or None.
+
+    Args:
+        model: any pytree.
+
+    Returns:
+        The `("data", "model")` mesh of its first placed array, if any.
+
+    Example:
+        >>> mesh = model_mesh(result.model) or make_mesh(1)
+    """
+    for x in _array_leaves(model):
+        sharding = _redcoast_sharding(x)
+        if sharding is not None and isinstance(sharding.mesh, Mesh):
+            return sharding.mesh
+    return None
+
+
+def place(
+    model: PyTree,
+    mesh: Mesh,
+    *,
+    example_call: Callable[[PyTree], Any] | None = None,
+    specs: PyTree | None = None,
+) -> PyTree:
+    """Put `model` on `mesh`, split by the sharding rules when the mesh has a model axis.
+
+    A model already on `mesh` is returned as it is. A model on another redcoast mesh
+    keeps its specs. Otherwise the specs are `specs` when given, else
+    `sharding_rules(model, n_model_shards, example_call=example_call)` on a mesh
+    with a model axis > 1, else every array is replicated.
+
+    Args:
+        model: an Equinox model (or any pytree of arrays).
+        mesh: from `make_mesh`.
+        example_call: `model -> output`, traced (no FLOPs) to follow the dataflow;
+            without it the rules fall back to declaration order.
+        specs: a `PartitionSpec` tree (or `ShardingPlan`) to use instead of the rules.
+
+    Returns:
+        The model with every array a `jax.Array` on `mesh`. Arrays that did not have
+        to move are the very arrays given (nothing is copied).
+
+    Example:
+        >>> model = rc.place(model, rc.make_mesh(2), example_call=lambda m: jax.vmap(m)(x))
+    """
+    n_model = mesh_shape(mesh)[1]
+    leaves = _array_leaves(model)
+    if specs is None:
+        if all(_on_mesh(x, mesh) for x in leaves):
+            return model
+        if all(_redcoast_sharding(x) is not None for x in leaves):
+            specs = jax.tree.map(lambda x: x.sharding.spec, eqx.filter(model, eqx.is_array))
+        elif n_model > 1:
+            specs = sharding_rules(model, n_model, example_call=example_call)
+        else:
+            specs = jax.tree.map(lambda _: P(), eqx.filter(model, eqx.is_array))
+    return shard(model, mesh, specs)
+
+
+def replicate_strays(tree: PyTree, mesh: Mesh) -> PyTree:
+    """Replicate over `mesh` the arrays of `tree` not already on it (e.g. optax's counters).
+
+    Args:
+        tree: an optimizer state or any pytree.
+        mesh: from `make_mesh`.
+
+    Returns:
+        The tree with every array on `mesh`.
+    """
+
+    def one(x: Any) -> Any:
+        if not eqx.is_array(x) or _on_mesh(x, mesh):
+            return x
+        return jax.device_put(x, NamedSharding(mesh, P()))
+
+    return jax.tree.map(one, tree)
+
+
+def own_copy(tree: PyTree, given: PyTree) -> PyTree:
+    """`tree` with a fresh copy of every array that is one of `given`'s arrays.
+
+    A step that donates its inputs deletes their buffers; copying the caller's own
+    arrays first (and only those: arrays `place` had to move are new already)
+    leaves everything the caller holds valid.
+
+    Args:
+        tree: what is about to be donated.
+        given: what the caller passed in.
+
+    Returns:
+        `tree`, sharing no array with `given`.
+    """
+    theirs = {id(x) for x in _array_leaves(given)}
+    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) and id(x) in theirs else x, tree)
