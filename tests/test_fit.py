@@ -236,7 +236,7 @@ def nan_loss(model, batch, key):
 def test_nonfinite_loss_raises_naming_the_step_or_is_skipped():
     kwargs = dict(collate_fn=collate_fn, loss_fn=nan_loss, per_device_batch_size=1, progress=False)
     # 32 examples, global batch 8: steps 1-4 are epoch 0, step 5 is the first NaN.
-    with pytest.raises(FloatingPointError, match=r"the loss is nan at step 5 \(epoch 1\)"):
+    with pytest.raises(FloatingPointError, match=r"step 5 \(epoch 1\): the loss is nan"):
         rc.fit(_mlp(), optax.adam(1e-2), _poisoned, n_epochs=3, **kwargs)
     one = rc.fit(_mlp(), optax.adam(1e-2), _poisoned, n_epochs=1, **kwargs)
     two = rc.fit(

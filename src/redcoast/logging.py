@@ -239,7 +239,7 @@ def _nonfinite_error(step: int, epoch: int, metrics: Mapping[str, Any]) -> Float
     else:
         what = "an updated parameter is not finite (the loss and gradient norm are)"
     return FloatingPointError(
-        f"{what} at step {step} (epoch {epoch}); training stopped before anything of that "
+        f"step {step} (epoch {epoch}): {what}; training stopped before anything of that "
         "step was saved. Lower the learning rate or check the data for that step, or pass "
         "on_nonfinite='skip' to skip such updates."
     )

@@ -118,19 +118,31 @@ def replicate_strays(tree: PyTree, mesh: Mesh) -> PyTree:
     return jax.tree.map(one, tree)
 
 
-def own_copy(tree: PyTree, given: PyTree) -> PyTree:
-    """`tree` with a fresh copy of every array that is one of `given`'s arrays.
+def _buffers(x: Any) -> set[int]:
+    if not isinstance(x, jax.Array) or x.is_deleted():
+        return set()
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
 
-    A step that donates its inputs deletes their buffers; copying the caller's own
-    arrays first (and only those: arrays `place` had to move are new already)
-    leaves everything the caller holds valid.
+
+def own_copy(tree: PyTree, given: PyTree) -> PyTree:
+    """`tree` with a fresh copy of every array that shares a buffer with `given`'s arrays.
+
+    A step that donates its inputs deletes their buffers. Placing an array can
+    reuse its buffer for the device it was on, so sharing is checked buffer by
+    buffer; only the arrays that share one are copied.
 
     Args:
         tree: what is about to be donated.
         given: what the caller passed in.
 
     Returns:
-        `tree`, sharing no array with `given`.
+        `tree`, sharing no device buffer with `given`.
     """
-    theirs = {id(x) for x in _array_leaves(given)}
-    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) and id(x) in theirs else x, tree)
+    theirs: set[int] = set()
+    for x in _array_leaves(given):
+        theirs |= _buffers(x)
+
+    def one(x: Any) -> Any:
+        return jnp.copy(x) if eqx.is_array(x) and _buffers(x) & theirs else x
+
+    return jax.tree.map(one, tree)
