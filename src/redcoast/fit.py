@@ -253,26 +253,45 @@ def _restore_history(path: str, step: int, lead: bool) -> dict[str, list[dict[st
     return history
 
 
-def _resume(
-    found: Path, state: LoopState, *, seed: int, size: int, workdir: str, lead: bool
-) -> tuple[LoopState, dict[str, Any]]:
-    """The state saved in checkpoint `found`, checked against this run's seed and batch."""
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every part of one `fit` call shares."""
+
+    mesh: Mesh
+    size: int  # the global batch of one optimizer step
+    seed: int
+    key: Any
+    root: str | None  # the workdir
+    lead: bool  # process 0, which writes
+
+    @property
+    def ckpts(self) -> str | None:
+        return None if self.root is None else os.path.join(self.root, "ckpts")
+
+
+def _resume(run: _Run, state: LoopState) -> tuple[LoopState, dict[str, Any]]:
+    """The state of the newest checkpoint of the run, checked against its seed and batch."""
+    history: dict[str, Any] = {"train": [], "eval": []}
+    assert run.root is not None and run.ckpts is not None
+    found = latest_checkpoint(run.ckpts)
+    if found is None:
+        return state, history
     # Loaded into the shardings of the freshly placed model and optimizer state.
     ckpt = load_checkpoint(found, like=state.model, opt_state_like=state.opt_state)
     loop = ckpt.state.get("loop", {})
-    if loop.get("seed") != seed or loop.get("global_batch_size") != size:
+    if loop.get("seed") != run.seed or loop.get("global_batch_size") != run.size:
         raise ValueError(
             f"cannot resume step-exactly from {found}: it was saved with seed="
             f"{loop.get('seed')} and a global batch of {loop.get('global_batch_size')}, "
-            f"this run has seed={seed} and a global batch of {size}. Use the same seed "
-            "and per_device_batch_size x data shards x accumulate_grad_batches, or a "
+            f"this run has seed={run.seed} and a global batch of {run.size}. Use the same "
+            "seed and per_device_batch_size x data shards x accumulate_grad_batches, or a "
             "new workdir."
         )
     best = state.best
     if best is not None and loop.get("best") and loop["best"]["metric"] == best.metric:
         best = dataclasses.replace(best, **loop["best"])
-    history = _restore_history(os.path.join(workdir, "metrics.jsonl"), ckpt.step, lead)
-    if lead:
+    history = _restore_history(os.path.join(run.root, "metrics.jsonl"), ckpt.step, run.lead)
+    if run.lead:
         print(f"redcoast: resuming from {found} (step {ckpt.step}, epoch {loop['epoch']})")
     resumed = dataclasses.replace(
         state,
@@ -284,6 +303,18 @@ def _resume(
         best=best,
     )
     return resumed, history
+
+
+def _report_stop(run: _Run, state: LoopState) -> None:
+    if state.stop is None or not run.lead:
+        return
+    saved = "" if run.ckpts is None else f"; saved {step_checkpoint_path(run.ckpts, state.step)}"
+    print(
+        f"redcoast: stopped after step {state.step} ({state.stop}){saved}. Run again with "
+        "resume=True to continue.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 # ----------------------------------------------------------------------------- fit's hooks
@@ -327,18 +358,17 @@ def _eval_hook(
 
 
 def _evaluator(
+    run: _Run,
     evaluation: Evaluation,
-    *,
     loss_fn: LossFn,
     collate_fn: CollateFn,
-    mesh: Mesh,
     batch_size: int,
-    key: Any,
     emit: Callable[[dict[str, Any], int], None],
     records: list[dict[str, Any]],
-    eval_dir: str | None,
 ) -> Callable[[LoopState], dict[str, float]]:
-    """`state -> metrics`: one evaluation, logged, and written to `eval_dir` if given."""
+    """`state -> metrics`: one evaluation, logged, and written to `workdir/eval`."""
+    eval_dir = None if run.root is None or not run.lead else os.path.join(run.root, "eval")
+    mesh, key = run.mesh, run.key
     loss_step = functools.partial(jit_eval_first, loss_fn)
     pred_step = None if evaluation.pred_fn is None else predict_step(evaluation.pred_fn)
 
@@ -381,17 +411,15 @@ def _json_default(x: Any) -> Any:
     return repr(x)
 
 
-def _saver(
-    *, seed: int, size: int, key: Any, buffer: MetricsBuffer
-) -> Callable[[Path, LoopState], None]:
+def _saver(run: _Run, buffer: MetricsBuffer) -> Callable[[Path, LoopState], None]:
     """`(path, state) -> None`: a checkpoint that resumes this run step-exactly."""
 
     def save(path: Path, s: LoopState) -> None:
         loop = {
             "epoch": s.epoch,
             "position": s.position,
-            "seed": seed,
-            "global_batch_size": size,
+            "seed": run.seed,
+            "global_batch_size": run.size,
             "best": None if s.best is None else dataclasses.asdict(s.best),
         }
         save_checkpoint(
@@ -400,7 +428,7 @@ def _saver(
             opt_state=s.opt_state,
             step=s.step,
             loop=loop,
-            rng=np.asarray(jax.random.key_data(key)),
+            rng=np.asarray(jax.random.key_data(run.key)),
             metrics=dict(buffer.last),
         )
 
@@ -445,14 +473,41 @@ def _stop_hook(caught: list[str], log_every: int) -> Hook:
     return Hook(fn, due)
 
 
-def _check_options(
+def _hooks(
+    run: _Run,
     *,
+    buffer: MetricsBuffer,
+    log_every: int,
+    evaluation: tuple[Evaluation, Callable[[LoopState], dict[str, float]]] | None,
+    user: Sequence[Hook],
+    caught: list[str],
+    checkpointing: Checkpointing,
+) -> list[Hook]:
+    """fit's behaviours in order: logging, evaluation, the user's hooks, stops, checkpoints."""
+    hooks = _log_hooks(buffer, log_every)
+    save = _saver(run, buffer)
+    if evaluation is not None:
+        best = None if run.ckpts is None else functools.partial(save, Path(run.ckpts, "best"))
+        hooks.append(
+            _eval_hook(evaluation[0], evaluate=evaluation[1], buffer=buffer, save_best=best)
+        )
+    hooks += user
+    if run.ckpts is not None:
+        hooks.append(_stop_hook(caught, log_every))
+        hooks.append(
+            _checkpoint_hook(checkpointing, run.ckpts, save=save, buffer=buffer, lead=run.lead)
+        )
+    return hooks
+
+
+def _check_options(
     n_epochs: int | None,
     max_steps: int | None,
     log_every: int,
     on_nonfinite: str,
     workdir: Any,
     checkpointing: Checkpointing | None,
+    *,
     resume: bool,
     overwrite: bool,
 ) -> None:
@@ -520,6 +575,8 @@ def _total_steps(
     return per_run if max_steps is None else min(max_steps, per_run)
 
 
+# Over 80 lines: 26 of them are the signature, and the body is one sequence (options,
+# placement, resume, the step, the hooks, the loop) that reads best in one place.
 def fit(
     model: PyTree,
     optimizer: optax.GradientTransformation,
@@ -622,46 +679,31 @@ def fit(
         ...              checkpointing=Checkpointing(every=500, keep_last_n=3))
         >>> result.history["eval"][-1]["eval_accuracy"]
     """
-    _check_options(
-        n_epochs=n_epochs,
-        max_steps=max_steps,
-        log_every=log_every,
-        on_nonfinite=on_nonfinite,
-        workdir=workdir,
-        checkpointing=checkpointing,
-        resume=resume,
-        overwrite=overwrite,
-    )
+    options = (n_epochs, max_steps, log_every, on_nonfinite, workdir, checkpointing)
+    _check_options(*options, resume=resume, overwrite=overwrite)
     mesh = mesh or model_mesh(model) or make_mesh(1)
     size = global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches)
-    key = jax.random.key(seed)
-    lead = jax.process_index() == 0
     root = None if workdir is None else os.fspath(workdir)
+    run = _Run(mesh, size, seed, jax.random.key(seed), root, jax.process_index() == 0)
     if root is not None:
-        _claim_workdir(root, resume=resume, overwrite=overwrite, lead=lead)
+        _claim_workdir(root, resume=resume, overwrite=overwrite, lead=run.lead)
     first, epoch_batches = _epochs(
         train_examples, collate_fn=collate_fn, mesh=mesh, size=size, seed=seed
     )
-    placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, key))
+    placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key))
     opt = (
-        opt_state
-        if opt_state is not None
-        else optimizer.init(eqx.filter(placed, eqx.is_inexact_array))
+        optimizer.init(eqx.filter(placed, eqx.is_inexact_array)) if opt_state is None else opt_state
     )
-    state = LoopState(
-        placed,
-        replicate_strays(opt, mesh),
-        best=None if evaluation is None else evaluation.best(),
-    )
+    best = None if evaluation is None else evaluation.best()
+    state = LoopState(placed, replicate_strays(opt, mesh), best=best)
     history: dict[str, Any] = {"train": [], "eval": []}
-    found = None if root is None or not resume else latest_checkpoint(os.path.join(root, "ckpts"))
-    if found is not None and root is not None:
-        state, history = _resume(found, state, seed=seed, size=size, workdir=root, lead=lead)
+    if resume:
+        state, history = _resume(run, state)
+    # The step donates what it is given; never the caller's own buffers.
     given = (model, opt_state)
     state = dataclasses.replace(
         state, model=own_copy(state.model, given), opt_state=own_copy(state.opt_state, given)
     )
-
     core = train_step(
         loss_fn,
         optimizer,
@@ -672,20 +714,15 @@ def fit(
         jit=False,
     )
     jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
-    sinks = ([] if root is None else [jsonl_logger(os.path.join(root, "metrics.jsonl"))]) + [
-        *loggers
-    ]
+    sinks = [*loggers] if root is None else [jsonl_logger(Path(root, "metrics.jsonl")), *loggers]
+    total = _total_steps(train_examples, n_epochs, max_steps, size)
     with (
-        ProgressBar(
-            _total_steps(train_examples, n_epochs, max_steps, size),
-            enabled=progress and lead,
-            completed=state.step,
-        ) as bar,
+        ProgressBar(total, enabled=progress and run.lead, completed=state.step) as bar,
         _stop_requests(root is not None) as caught,
     ):
 
         def emit(record: dict[str, Any], at: int) -> None:
-            if lead:
+            if run.lead:
                 for sink in sinks:
                     sink(record, at)
             bar.show(record)
@@ -697,67 +734,37 @@ def fit(
             step=state.step,
             records=history["train"],
         )
-        save = _saver(seed=seed, size=size, key=key, buffer=buffer)
-        all_hooks = _log_hooks(buffer, log_every)
+        evaluate = None
         if evaluation is not None:
+            eval_size = global_batch_size(
+                mesh, evaluation.per_device_batch_size or per_device_batch_size
+            )
             evaluate = _evaluator(
-                evaluation,
-                loss_fn=loss_fn,
-                collate_fn=collate_fn,
-                mesh=mesh,
-                batch_size=global_batch_size(
-                    mesh, evaluation.per_device_batch_size or per_device_batch_size
-                ),
-                key=key,
-                emit=emit,
-                records=history["eval"],
-                eval_dir=None if root is None or not lead else os.path.join(root, "eval"),
+                run, evaluation, loss_fn, collate_fn, eval_size, emit, history["eval"]
             )
-            save_best = (
-                None if root is None else functools.partial(save, Path(root, "ckpts", "best"))
-            )
-            all_hooks.append(
-                _eval_hook(evaluation, evaluate=evaluate, buffer=buffer, save_best=save_best)
-            )
-        all_hooks += hooks
-        if root is not None:
-            all_hooks.append(_stop_hook(caught, log_every))
-            all_hooks.append(
-                _checkpoint_hook(
-                    checkpointing or Checkpointing(),
-                    os.path.join(root, "ckpts"),
-                    save=save,
-                    buffer=buffer,
-                    lead=lead,
-                )
-            )
-        all_hooks.append(always(lambda s: bar.advance(s.step)))
+        builtin = _hooks(
+            run,
+            buffer=buffer,
+            log_every=log_every,
+            evaluation=(evaluation, evaluate) if evaluation and evaluate else None,
+            user=hooks,
+            caught=caught,
+            checkpointing=checkpointing or Checkpointing(),
+        )
         try:
-            state, timing = run_loop(
+            state, history["timing"] = run_loop(
                 state,
-                step_fn=lambda m, o, b, s: jitted(m, o, b, key, np.int32(s)),
+                step_fn=lambda m, o, b, s: jitted(m, o, b, run.key, np.int32(s)),
                 epoch_batches=epoch_batches,
-                hooks=all_hooks,
+                hooks=[*builtin, always(lambda s: bar.advance(s.step))],
                 n_epochs=n_epochs,
                 max_steps=max_steps,
             )
             buffer.flush(state.step)
         finally:
-            if lead:
+            if run.lead:
                 close_loggers(sinks)
-    if state.stop is not None and lead:
-        saved = (
-            ""
-            if root is None
-            else f"; saved {step_checkpoint_path(Path(root, 'ckpts'), state.step)}"
-        )
-        print(
-            f"redcoast: stopped after step {state.step} ({state.stop}){saved}. Run again with "
-            "resume=True to continue.",
-            file=sys.stderr,
-            flush=True,
-        )
-    history["timing"] = timing
+    _report_stop(run, state)
     if state.best is not None and (state.best.value is not None or history["eval"]):
         history["best"] = dataclasses.asdict(state.best)
     return FitResult(state.model, state.opt_state, state.step, history, stopped_by=state.stop)
