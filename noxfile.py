@@ -1,5 +1,5 @@
-"""Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s lint`, `nox -s multihost`,
-`nox -s bench`, `nox -s examples`."""
+"""Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s slow`, `nox -s lint`,
+`nox -s multihost`, `nox -s bench`, `nox -s examples`."""
 
 from pathlib import Path
 
@@ -17,6 +17,13 @@ def tests(session: nox.Session) -> None:
     """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
     session.install("-e", ".[test,hf]")
     session.run("pytest", "-m", "not slow and not multihost", *session.posargs, env=SIMULATED)
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI."""
+    session.install("-e", ".[test,hf]")
+    session.run("pytest", "-m", "slow and not multihost", *session.posargs, env=SIMULATED)
 
 
 @nox.session
