@@ -33,7 +33,13 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SMOKE))
+# The two longest smoke runs go to `nox -s slow`.
+SLOW = {"dp_sgd", "ppo"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(SMOKE)]
+)
 def test_example_runs_through_the_cli(name, tmp_path):
     out = tmp_path / "metrics.json"
     args = ["run", name, *SMOKE[name], "--workdir", str(tmp_path), "--metrics-json", str(out)]
