@@ -117,6 +117,7 @@ def main(
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     step = rc.train_step(loss_fn, optimizer, mesh=mesh)
     log = rc.jsonl_logger(f"{workdir}/metrics.jsonl") if workdir else lambda *_: None
+    data = {"collate_fn": collate_fn, "mesh": mesh, "batch_size": batch_size, "seed": seed}
     carry, n = reset(k_env, n_envs), 0
     for it in range(n_iterations):
         carry, traj = rollout(model, carry, jax.random.fold_in(k_run, it), n_steps)
@@ -124,14 +125,7 @@ def main(
         flat = [np.asarray(traj[k]).reshape(-1, *traj[k].shape[2:]) for k in keep]
         transitions = [dict(zip(keep, row, strict=True)) for row in zip(*flat, strict=True)]
         for _ in range(update_epochs):
-            for batch in rc.batches(
-                transitions,
-                collate_fn=collate_fn,
-                mesh=mesh,
-                batch_size=batch_size,
-                seed=seed,
-                epoch=n,
-            ):
+            for batch in rc.batches(transitions, epoch=n, **data):
                 key = jax.random.fold_in(k_run, n)
                 model, opt_state, metrics = step(model, opt_state, batch.arrays, key)
                 n += 1
