@@ -314,7 +314,8 @@ TIMEOUT = 5
 
 @contextlib.contextmanager
 def _workers(nprocs: int, tag: str) -> Iterator[list[subprocess.Popen[str]]]:
-    """`nprocs` bare processes of train_forever.py (no launcher); all killed on the way out."""
+    """`nprocs` bare processes of train_forever.py (no launcher, so the watchdog is asked
+    for explicitly); all killed on the way out."""
     port = free_port()
     procs = []
     try:
@@ -325,6 +326,7 @@ def _workers(nprocs: int, tag: str) -> Iterator[list[subprocess.Popen[str]]]:
                 "REDCOAST_NUM_PROCESSES": str(nprocs),
                 "REDCOAST_PROCESS_ID": str(rank),
                 "REDCOAST_HEARTBEAT_TIMEOUT": str(TIMEOUT),
+                "REDCOAST_WATCHDOG": "1",
                 "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
             }

@@ -173,6 +173,41 @@ def collate(collate_fn: CollateFn, examples: list[Any]) -> dict[str, np.ndarray]
     return arrays
 
 
+def check_int_range(arrays: Mapping[str, np.ndarray]) -> None:
+    """Refuse 64-bit integers that JAX would silently wrap when it makes them 32-bit.
+
+    With x64 disabled (JAX's default) an int64 array becomes int32 and a uint64 one
+    uint32 by wrapping: 2**40 + 5 arrives as 5. One min and max per 64-bit array.
+
+    Args:
+        arrays: a batch, as `collate_fn` returned it.
+
+    Raises:
+        ValueError: a 64-bit integer array has values outside the 32-bit range; the
+            message names its key, its range and the fix.
+
+    Example:
+        >>> check_int_range({"ids": np.array([1, 2**40])})
+        Traceback (most recent call last):
+        ValueError: batch key 'ids' (int64) has values in [1, 1099511627776], ...
+    """
+    if jax.config.read("jax_enable_x64"):
+        return
+    for key, v in arrays.items():
+        if v.dtype not in (np.int64, np.uint64) or v.size == 0:
+            continue
+        narrow = np.iinfo(np.int32 if v.dtype == np.int64 else np.uint32)
+        low, high = int(v.min()), int(v.max())
+        if low < narrow.min or high > narrow.max:
+            raise ValueError(
+                f"batch key {key!r} ({v.dtype}) has values in [{low}, {high}], outside the "
+                f"{narrow.dtype} range [{narrow.min}, {narrow.max}] that JAX converts it to "
+                "with x64 disabled; they would wrap around silently. Map them into that "
+                f"range in collate_fn (e.g. re-index the ids) and cast to {narrow.dtype}, or "
+                "enable 64-bit JAX with jax.config.update('jax_enable_x64', True) at start-up."
+            )
+
+
 def make_global(local: Mapping[str, np.ndarray], mesh: Mesh, batch_size: int) -> dict[str, Any]:
     """Assemble this process's rows into global arrays sharded `P("data")`.
 
@@ -184,10 +219,15 @@ def make_global(local: Mapping[str, np.ndarray], mesh: Mesh, batch_size: int) ->
     Returns:
         A dict of global `jax.Array`s of leading size `batch_size`.
 
+    Raises:
+        ValueError: a 64-bit integer array does not fit JAX's 32 bits (see
+            `check_int_range`).
+
     Example:
         >>> rows = process_rows(mesh, 16)
         >>> batch = make_global({"x": x[rows]}, mesh, 16)
     """
+    check_int_range(local)
     sharding = NamedSharding(mesh, P(DATA))
     return {
         k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:]))

@@ -7,9 +7,12 @@ single-process mode. `make_mesh` calls it, so `fit` and `predict` need no change
 to run on many hosts. `launch` starts N local processes for tests and
 experiments on one machine.
 
-A dead peer never leaves the others hanging: every process sends a heartbeat
-through the coordinator's key-value store, process 0 watches them, and when one
-falls silent every survivor exits with `EXIT_PEER_LOST` and a message naming it.
+With the watchdog on (`redcoast launch` turns it on for its processes; elsewhere
+`initialize(watchdog=True)` or `REDCOAST_WATCHDOG=1`), a dead peer never leaves
+the others hanging: every process sends a heartbeat through the coordinator's
+key-value store, process 0 watches them, and when one falls silent every survivor
+exits with `EXIT_PEER_LOST` and a message naming it. Off (the default), redcoast
+changes nothing process-wide: no thread, no `sys.excepthook`, no `atexit` hook.
 """
 
 import atexit
@@ -40,12 +43,14 @@ __all__ = [
     "initialize",
     "launch",
     "resolve",
+    "watchdog_enabled",
 ]
 
 ENV_ADDRESS = "REDCOAST_COORDINATOR_ADDRESS"
 ENV_NPROCS = "REDCOAST_NUM_PROCESSES"
 ENV_RANK = "REDCOAST_PROCESS_ID"
 ENV_HEARTBEAT = "REDCOAST_HEARTBEAT_TIMEOUT"
+ENV_WATCHDOG = "REDCOAST_WATCHDOG"
 DEFAULT_HEARTBEAT_SECONDS = 30
 """A process silent this long is declared lost (override: `REDCOAST_HEARTBEAT_TIMEOUT`)."""
 EXIT_PEER_LOST = 75
@@ -222,6 +227,33 @@ def heartbeat_timeout(
     return value
 
 
+def watchdog_enabled(watchdog: bool | None = None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether `initialize` starts the heartbeat watchdog and the fast-exit excepthook.
+
+    Args:
+        watchdog: an explicit choice; wins over the environment.
+        env: the environment to read `REDCOAST_WATCHDOG` from (`os.environ` by
+            default); `"1"` turns the watchdog on, `"0"` or unset leaves it off.
+
+    Returns:
+        `True` to start it.
+
+    Raises:
+        ValueError: `REDCOAST_WATCHDOG` is neither `"0"` nor `"1"`.
+
+    Example:
+        >>> watchdog_enabled(env={"REDCOAST_WATCHDOG": "1"})
+        True
+    """
+    if watchdog is not None:
+        return bool(watchdog)
+    env = os.environ if env is None else env
+    raw = env.get(ENV_WATCHDOG, "0").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ENV_WATCHDOG}={raw!r} must be 1 (watchdog on) or 0 (off).")
+    return raw == "1"
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -229,6 +261,7 @@ def initialize(
     local_device_ids: Sequence[int] | None = None,
     *,
     heartbeat_timeout_seconds: int | float | None = None,
+    watchdog: bool | None = None,
 ) -> DistributedConfig:
     """Start `jax.distributed` as the arguments, environment or SLURM say; idempotent.
 
@@ -237,13 +270,17 @@ def initialize(
     something must touch devices before the mesh is built. With no arguments and
     no `REDCOAST_*`/SLURM variables it does nothing (single process).
 
-    Once started, every process sends a heartbeat through the coordinator. When a
-    process stays silent for `heartbeat_timeout_seconds`, every survivor prints
-    which one was lost and exits with `EXIT_PEER_LOST` instead of hanging in a
-    collective (a survivor may stop sooner with the transport's own error: gloo
-    can abort on a killed peer's half-sent message). An uncaught exception ends a
-    process at once (exit code 1) without waiting at JAX's shutdown barrier, so
-    its peers notice.
+    With the watchdog on (`watchdog=True`, or `REDCOAST_WATCHDOG=1`, which
+    `redcoast launch` sets), every process sends a heartbeat through the
+    coordinator from a daemon thread. When a process stays silent for
+    `heartbeat_timeout_seconds`, every survivor prints which one was lost and
+    exits with `EXIT_PEER_LOST` instead of hanging in a collective (a survivor may
+    stop sooner with the transport's own error: gloo can abort on a killed peer's
+    half-sent message). It also replaces `sys.excepthook` so that an uncaught
+    exception ends the process at once (exit code 1) without waiting at JAX's
+    shutdown barrier, so its peers notice. These end the process with `os._exit`,
+    which is why they are off by default: then a dead peer is noticed only by
+    JAX's own heartbeat, later and without its name.
 
     Under SLURM, JAX gives each task the device numbered by its `SLURM_LOCALID`
     (one task per GPU); pass `local_device_ids` to drive several devices per task.
@@ -255,7 +292,9 @@ def initialize(
         local_device_ids: the devices this process drives (default: all it sees).
         heartbeat_timeout_seconds: a peer silent this long is declared lost
             (default `REDCOAST_HEARTBEAT_TIMEOUT`, else `DEFAULT_HEARTBEAT_SECONDS`).
-            Survivors exit within 1.4 times this.
+            Survivors exit within 1.4 times this. Used only with the watchdog.
+        watchdog: start the heartbeat watchdog and the fast-exit excepthook; default
+            `REDCOAST_WATCHDOG` (`1` on, else off).
 
     Returns:
         The `DistributedConfig` used.
@@ -272,6 +311,7 @@ def initialize(
     if not config.multi_process or jax.distributed.is_initialized():
         return config
     timeout = heartbeat_timeout(heartbeat_timeout_seconds)
+    watch = watchdog_enabled(watchdog)
     _check_backend_not_started(config)
     # JAX's own heartbeat stays as a backstop, later than redcoast's, whose message
     # names the lost process; 30 s here gives JAX 55 s.
@@ -289,13 +329,18 @@ def initialize(
         # Hosts of a cluster job can start minutes apart; this is JAX's default.
         initialization_timeout=300,
     )
-    _exit_fast_on_errors(config, timeout)
-    _watch_peers(config, timeout)
+    if watch:
+        _exit_fast_on_errors(config, timeout)
+        _watch_peers(config, timeout)
     if config.process_id == 0:
         print(
             f"redcoast: {config.num_processes} processes, coordinator "
-            f"{config.coordinator_address} (from {config.source}); a process silent for "
-            f"{timeout:g} s stops the run",
+            f"{config.coordinator_address} (from {config.source}); "
+            + (
+                f"a process silent for {timeout:g} s stops the run"
+                if watch
+                else f"watchdog off ({ENV_WATCHDOG}=1 turns it on)"
+            ),
             flush=True,
         )
     return config
@@ -544,7 +589,8 @@ def launch(
         nprocs: how many processes.
         devices_per_proc: simulated CPU devices in each.
         port: the coordinator's port on 127.0.0.1; a free one by default.
-        env: extra environment variables for every process.
+        env: extra environment variables for every process. `REDCOAST_WATCHDOG=1` is
+            set unless `env` says otherwise (see `initialize`).
         timeout: seconds after which everything is stopped and 124 returned.
 
     Returns:
@@ -582,7 +628,8 @@ def launch(
             sys.stderr.write(f"redcoast launch: {message}\n")
             sys.stderr.flush()
 
-    base = {**os.environ, **(env or {})}
+    # The watchdog names a dead process to every survivor; `env` may turn it off.
+    base = {**os.environ, ENV_WATCHDOG: "1", **(env or {})}
     pumps: list[threading.Thread] = []
     code = 0
     # After a failure the others are likely blocked in a collective with the dead

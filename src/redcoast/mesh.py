@@ -28,7 +28,9 @@ def make_mesh(n_model_shards: int = 1, *, devices: Sequence[Any] | None = None) 
     It first starts JAX's distributed runtime when the environment asks for
     several processes (`redcoast launch`, SLURM, `REDCOAST_*`; see
     `redcoast.distributed.initialize`), so the mesh spans every process. Build
-    the mesh before anything else touches devices.
+    the mesh before anything else touches devices. It changes nothing else
+    process-wide: the heartbeat watchdog and its `sys.excepthook` start only under
+    `redcoast launch` or when asked (`REDCOAST_WATCHDOG=1`).
 
     Args:
         n_model_shards: how many pieces each weight is split into. Must divide

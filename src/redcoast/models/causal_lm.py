@@ -22,6 +22,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
 
 from . import hf
+from .checks import check_range
 from .layers import DecoderBlock, KVCache, Norm
 
 Blocks = tuple[DecoderBlock, ...] | DecoderBlock
@@ -104,6 +105,11 @@ class AbstractCausalLM(eqx.Module):
             return None
         return self.embed_positions.num_embeddings - self.position_offset
 
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the model knows: valid ids are `[0, vocab_size)`."""
+        return self.embed_tokens.num_embeddings
+
     def __call__(
         self, input_ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "seq vocab"]:
@@ -116,9 +122,22 @@ class AbstractCausalLM(eqx.Module):
 
         Returns:
             Logits, `(seq, vocab)`.
+
+        Raises:
+            ValueError: the sequence is longer than the position table (GPT-2, OPT).
+            EquinoxRuntimeError: (when the computation runs) a token id is outside
+                `[0, vocab_size)`.
         """
         del key
-        positions = jnp.arange(input_ids.shape[0])
+        seq = input_ids.shape[0]
+        limit = self.max_positions
+        if limit is not None and seq > limit:
+            raise ValueError(
+                f"input_ids has {seq} tokens but {type(self).__name__}'s position table has "
+                f"{limit} positions (config max_position_embeddings / n_positions); the "
+                f"sequence length must be in [1, {limit}]. Truncate or split the sequence."
+            )
+        positions = jnp.arange(seq)
         x, _ = self._blocks(self._embed(input_ids, positions), positions, None, 0)
         return self._logits(x)
 
@@ -138,12 +157,28 @@ class AbstractCausalLM(eqx.Module):
         Returns:
             The logits of the new tokens and the cache with their keys and values.
 
+        Raises:
+            ValueError: `index` (an int) or the sequence runs past the position table
+                or the cache.
+            EquinoxRuntimeError: (when the computation runs) a token id is outside
+                `[0, vocab_size)`, or a traced `index` runs past the position table
+                or the cache.
+
         Example:
             >>> cache = model.init_cache(max_len=32)
             >>> logits, cache = model.decode(prompt, cache, 0)
             >>> logits, cache = model.decode(next_token[None], cache, prompt.shape[0])
         """
-        positions = index + jnp.arange(input_ids.shape[0])
+        seq = input_ids.shape[0]
+        if self.max_positions is not None:
+            index = check_range(
+                index,
+                0,
+                self.max_positions - seq + 1,
+                f"index (the position of the first of {seq} new tokens)",
+                f"{type(self).__name__}'s position table has {self.max_positions} positions.",
+            )
+        positions = index + jnp.arange(seq)
         x, new = self._blocks(self._embed(input_ids, positions), positions, cache, index)
         assert new is not None
         return self._logits(x), new
@@ -166,6 +201,15 @@ class AbstractCausalLM(eqx.Module):
     def _embed(
         self, input_ids: Int[Array, " seq"], positions: Int[Array, " seq"]
     ) -> Float[Array, "seq hidden"]:
+        # jnp indexing clamps: id 999 of a 50-token vocabulary would embed as id 49.
+        input_ids = check_range(
+            input_ids,
+            0,
+            self.vocab_size,
+            "input_ids (token ids)",
+            f"{type(self).__name__} has a vocabulary of {self.vocab_size}; check the "
+            "tokenizer matches the model, and pad with a real token id.",
+        )
         x = jax.vmap(self.embed_tokens)(input_ids)
         if self.embed_positions is not None:
             x = x + jax.vmap(self.embed_positions)(positions + self.position_offset)

@@ -18,6 +18,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .causal_lm import AbstractCausalLM
+from .checks import check_range
 
 
 def _pick(
@@ -63,6 +64,9 @@ def _generate(
     total = prompt_len + max_new_tokens
     keys = jax.random.split(key, max_new_tokens)
     rows = jnp.arange(batch)
+    # The padding may be any token (even -1): it never reaches the model, whose
+    # token-id check would otherwise reject it.
+    prompt = jnp.where(jnp.arange(prompt_len)[None, :] < lengths[:, None], prompt, 0)
 
     if use_cache:
         one = model.init_cache(total)
@@ -130,8 +134,9 @@ def generate(
 
     Args:
         model: a `GPT2`, `Llama`, `OPT` or `GPTJ`.
-        prompt_ids: token ids, one prompt per row; shorter prompts are right-padded
-            (with any token) and their lengths given in `prompt_lengths`.
+        prompt_ids: token ids in `[0, vocab_size)`, one prompt per row; shorter prompts
+            are right-padded (with any integer) and their lengths given in
+            `prompt_lengths`.
         max_new_tokens: how many tokens to generate for each prompt.
         prompt_lengths: the length of each prompt; default: every row is full.
         temperature: 0 for greedy decoding (argmax); otherwise logits are divided by
@@ -146,6 +151,13 @@ def generate(
 
     Returns:
         The new tokens, `(batch, max_new_tokens)` (the prompt not included).
+
+    Raises:
+        ValueError: a bad setting, prompt_lengths outside `[1, prompt_len]`, or the
+            prompt plus `max_new_tokens` longer than the model's position table.
+        EquinoxRuntimeError: (when the computation runs, inside `jit`) traced
+            prompt_lengths outside `[1, prompt_len]`, or a prompt token id outside
+            `[0, vocab_size)`. Raised as `jax.errors.JaxRuntimeError` under `jax.jit`.
 
     Example:
         >>> prompts = jnp.array([[5, 6, 7, 0], [8, 9, 10, 11]])
@@ -196,13 +208,20 @@ def generate(
             )
         try:
             host = np.asarray(lengths)
-        except jax.errors.TracerArrayConversionError:  # inside jit: checked by the caller
+        except jax.errors.TracerArrayConversionError:  # inside jit: checked at run time
             host = None
         if host is not None and (host.min() < 1 or host.max() > prompt_len):
             raise ValueError(
                 f"prompt_lengths must be in [1, {prompt_len}] (the padded prompt length); "
                 f"got {host.tolist()}."
             )
+        lengths = check_range(
+            lengths,
+            1,
+            prompt_len + 1,
+            "prompt_lengths",
+            f"Each prompt has at least 1 and at most {prompt_len} tokens (the padded length).",
+        )
     return _generate(
         model,
         prompt,

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 
+from .checks import check_range
+
 
 def gelu(x: Array) -> Array:
     """The exact GELU (Hendrycks & Gimpel 2016), `x * Phi(x)`; Hugging Face's `"gelu"`."""
@@ -204,8 +206,22 @@ class Attention(eqx.Module):
 
         Returns:
             The attention output and the cache with `x`'s keys and values written.
+
+        Raises:
+            ValueError: an int `index` leaves no room for `x` in the cache.
+            EquinoxRuntimeError: (when the computation runs) an array `index` leaves
+                no room for `x` in the cache.
         """
         seq = x.shape[0]
+        # dynamic_update_slice clamps the start: a write past the end would silently
+        # overwrite the last slots instead.
+        index = check_range(
+            index,
+            0,
+            cache.key.shape[0] - seq + 1,
+            f"index (the cache slot of the first of {seq} new tokens)",
+            f"the cache has {cache.key.shape[0]} slots; make it longer with init_cache(max_len).",
+        )
         q, k, v = self._qkv(x, positions)
         keys = jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype), index, 0)
         values = jax.lax.dynamic_update_slice_in_dim(
