@@ -266,7 +266,10 @@ def elementwise(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     if weight is not None:
         return [Value(weight=weight)] + [EMPTY] * (n_out - 1)
     data = any(s.data for s in ins)
-    full = [s for s in ins if not s.bcast]
+    size = math.prod(out_shapes[0]) if len(out_shapes) == 1 else 0
+    # Broadcast here (size-1 axes against full ones) or just before.
+    smaller = [s.bcast or math.prod(shape) < size for s, shape in zip(ins, in_shapes, strict=True)]
+    full = [s for s, small in zip(ins, smaller, strict=True) if not small]
     if full and len(full) < len(ins) and any(s.data or s.taint for s in full):
         kept = frozenset().union(*(s.taint for s in full))
         _gate_out(walk, frozenset().union(*(s.taint for s in ins)) - kept)
@@ -274,7 +277,7 @@ def elementwise(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     else:
         taint = frozenset().union(*(s.taint for s in ins)) if ins else frozenset()
     _tie(walk, eqn, ins, in_shapes, out_shapes)
-    feat = _feat(eqn, ins, in_shapes, out_shapes)
+    feat = _feat(walk, eqn, ins, in_shapes, out_shapes)
     if eqn.primitive is _prims.broadcast_in_dim_p:
         # An activation broadcast up to a larger shape scales or shifts what it meets.
         bcast = math.prod(out_shapes[0]) > math.prod(in_shapes[0]) and bool(ins[0].taint)
@@ -327,7 +330,11 @@ def _weight_passthrough(
 
 
 def _feat(
-    eqn: Any, ins: list[Value], in_shapes: list[tuple[int, ...]], out_shapes: list[tuple[int, ...]]
+    walk: _Walk,
+    eqn: Any,
+    ins: list[Value],
+    in_shapes: list[tuple[int, ...]],
+    out_shapes: list[tuple[int, ...]],
 ) -> tuple[int, Axes] | None:
     """Follow a matmul's output axes through ops that keep them."""
     carriers = [(i, s.feat) for i, s in enumerate(ins) if s.feat is not None and not s.bcast]
@@ -338,9 +345,16 @@ def _feat(
     leaf, axes = feat
     src, dst = in_shapes[k], out_shapes[0]
     axis_map = AXIS_MAPS.get(eqn.primitive)
-    if axis_map is not None:
-        return leaf, _remap(axes, axis_map(eqn.params, src, dst), len(dst))
-    return feat if src == dst else None
+    if axis_map is None:
+        return feat if src == dst else None
+    if eqn.primitive is _prims.reshape_p:
+        use = walk.flow.uses.get(leaf)
+        for a, leaf_axis in enumerate(axes):
+            group = reshape_groups(src, dst, a)
+            if use and leaf_axis in use.out_axes and group and group[1] - group[0] > 1:
+                # The reshape that splits a matmul's output features reads its heads.
+                walk.flow.heads.setdefault(leaf, math.prod(dst[group[0] : group[1] - 1]))
+    return leaf, _remap(axes, axis_map(eqn.params, src, dst), len(dst))
 
 
 def _tie(
