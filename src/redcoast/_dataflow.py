@@ -98,6 +98,7 @@ class Dataflow:
     uses: matmul weights and how they are used, in `order` of first use.
     heads: leaf -> number of heads its output is reshaped into.
     lookups: leaf -> {whether the indices of a gather from it depend on data}.
+    looked_up: leaf -> elements gathered from it by data (for cost estimates).
     gates: matmul weights whose outputs only scale, shift or select other values
         (multiplied in after a broadcast, or contracted against another branch's
         outputs) and never reach another matmul's input or the result as features.
@@ -111,6 +112,7 @@ class Dataflow:
     order: list[int] = dataclasses.field(default_factory=list)
     heads: dict[int, int] = dataclasses.field(default_factory=dict)
     lookups: dict[int, set[bool]] = dataclasses.field(default_factory=dict)
+    looked_up: dict[int, int] = dataclasses.field(default_factory=dict)
     gates: set[int] = dataclasses.field(default_factory=set)
     ties: dict[int, tuple[int, dict[int, int]]] = dataclasses.field(default_factory=dict)
     conflicts: set[int] = dataclasses.field(default_factory=set)
@@ -485,6 +487,9 @@ def lookup(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     leaf, axes = ins[0].weight
     by_data = any(s.data for s in ins[1:])
     walk.flow.lookups.setdefault(leaf, set()).add(by_data)
+    if by_data:
+        elems = math.prod(_shape(eqn.outvars[0]))
+        walk.flow.looked_up[leaf] = walk.flow.looked_up.get(leaf, 0) + elems
     if eqn.primitive is _prims.dynamic_slice_p and not by_data:
         # A loop indexing stacked layers (w[i]) keeps the weight.
         return [Value(weight=(leaf, axes))]

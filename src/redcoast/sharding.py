@@ -355,9 +355,11 @@ def _embedding_decisions(
             continue
         nd = len(shapes[i])
         use = flow.uses.get(i)
-        # A tied table is also the head: splitting it on the hidden dimension instead
-        # all-reduces full-vocabulary logits.
-        comm = 4.0 * (use.out_elems + use.in_elems) if use is not None else None
+        # Split on the hidden dimension instead, the looked-up rows are gathered, and a
+        # tied table (also the head) all-reduces full-vocabulary logits.
+        comm = 4.0 * flow.looked_up.get(i, 0)
+        if use is not None:
+            comm += 4.0 * (use.out_elems + use.in_elems)
         d = _decide(
             COL, shapes[i], nd - 2, nd - 1, None, n, "embedding: split on the vocabulary", comm
         )
