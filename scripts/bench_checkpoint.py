@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -33,7 +34,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast.models import TinyLlama
+
+# The reference models live with the tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny import TinyLlama
+
 from redcoast.sharding import path_str
 
 

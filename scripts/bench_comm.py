@@ -3,10 +3,13 @@
 For each model and each n_model_shards in (2, 4, 8) a train step (loss, gradients,
 SGD update) is compiled for the mesh (8/n, n) and the collectives XLA inserted are
 read back from the partitioned HLO. Models: the tiny reference architectures and the
-decoder zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`) at the same size. Layouts:
+decoder zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`) at the same size, and the
+architectures of `tests/architectures.py` (MoE, DiT, ViT, BERT, encoder-decoder,
+scan-over-layers, raw-array MLP), each with its own hand layout. Layouts:
 
 - ours:        redcoast.sharding_rules with example_call (the dataflow rules)
-- megatron:    the hand-written Megatron-LM layout (redcoast.models.tiny.megatron_specs)
+- megatron:    the hand-written layout: Megatron-LM's (tests/tiny.py `megatron_specs`)
+               for the decoders, the best of the architecture's hand layouts otherwise
 - decl-order:  redcoast.sharding_rules without example_call (alternate by declaration)
 - naive:       every weight split on dim 0
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,8 +40,10 @@ from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
 from redcoast.hlo import collectives, summarize, weight_all_gathers
-from redcoast.models import DeepMLP, TinyGPT, TinyGPTJ, TinyLlama
-from redcoast.models.tiny import megatron_specs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import architectures as arch
+from tiny import DeepMLP, TinyGPT, TinyGPTJ, TinyLlama, megatron_specs
 
 KEY = jax.random.key(0)
 MODELS: dict[str, Callable[[], eqx.Module]] = {
@@ -81,15 +87,54 @@ MODELS: dict[str, Callable[[], eqx.Module]] = {
 }
 
 
-def batch_for(name: str) -> jax.Array:
-    if name == "deep mlp":
-        return jax.random.normal(jax.random.key(1), (16, 256))
-    return jax.random.randint(jax.random.key(1), (16, 64), 0, 512)
+# Architectures beyond the zoo: (model, hand layouts by path); the best hand layout counts.
+ARCHS: dict[str, tuple[Callable[[], eqx.Module], tuple[dict[str, P], ...]]] = {
+    "moe top-2 (4 experts, einsum)": (
+        lambda: arch.MoELM(512, 256, 4, 8, 512, 4, 64, key=KEY),
+        (arch.MOE_EXPERT_PARALLEL, arch.MOE_MEGATRON),
+    ),
+    "dit (adaLN-Zero)": (
+        lambda: arch.DiT(4, 32, 4, 256, 4, 8, key=KEY),
+        (arch.DIT_LAYOUT,),
+    ),
+    "vit (conv stem, 10 classes)": (
+        lambda: arch.ViT(3, 32, 4, 256, 4, 8, 10, key=KEY),
+        (arch.VIT_LAYOUT,),
+    ),
+    "bert (pooler, 3 classes)": (
+        lambda: arch.BertClassifier(512, 256, 4, 8, 64, 3, key=KEY),
+        (arch.BERT_LAYOUT,),
+    ),
+    "encoder-decoder": (
+        lambda: arch.EncoderDecoder(512, 256, 2, 8, key=KEY),
+        (arch.ENC_DEC_LAYOUT,),
+    ),
+    "scan-over-layers decoder": (
+        lambda: arch.ScanDecoder(512, 256, 4, 8, key=KEY),
+        (arch.SCAN_LAYOUT,),
+    ),
+    "raw-array mlp (einsum)": (
+        lambda: arch.RawMLP((256, 1024, 256, 1024, 256), key=KEY),
+        (arch.RAW_MLP_LAYOUT,),
+    ),
+}
+MODELS.update({name: make for name, (make, _) in ARCHS.items()})
 
 
-def loss(model: eqx.Module, x: jax.Array) -> jax.Array:
+def batch_for(name: str) -> object:
+    key = jax.random.key(1)
+    if name in ("deep mlp", "raw-array mlp (einsum)"):
+        return jax.random.normal(key, (16, 256))
+    if name.startswith("dit"):
+        return {"img": jax.random.normal(key, (16, 4, 32, 32)), "t": jnp.arange(16.0)}
+    if name.startswith("vit"):
+        return jax.random.normal(key, (16, 3, 32, 32))
+    return jax.random.randint(key, (16, 64), 0, 512)
+
+
+def loss(model: eqx.Module, x: object) -> jax.Array:
     out = jax.vmap(model)(x)
-    if out.ndim == 2:
+    if not isinstance(x, jax.Array) or out.ndim != 3 or x.dtype != jnp.int32:
         return jnp.mean(out**2)
     logp = jax.nn.log_softmax(out, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp[:, :-1], x[:, 1:, None], axis=-1))
@@ -102,7 +147,17 @@ def naive_specs(model: eqx.Module, n: int) -> object:
     return jax.tree_util.tree_map(spec, eqx.filter(model, eqx.is_array))
 
 
-def measure(model: eqx.Module, specs: object, n: int, x: jax.Array) -> dict[str, float]:
+def hand_layout(name: str, model: eqx.Module, n: int, x: object) -> object:
+    """Megatron-LM's layout for the decoders; the cheapest hand layout otherwise."""
+    if name not in ARCHS:
+        return megatron_specs(model, n)
+    layouts = [arch.layout(model, table) for table in ARCHS[name][1]]
+    if len(layouts) == 1:
+        return layouts[0]
+    return min(layouts, key=lambda specs: measure(model, specs, n, x)["model_bytes"])
+
+
+def measure(model: eqx.Module, specs: object, n: int, x: object) -> dict[str, float]:
     mesh = rc.make_mesh(n)
     sharded = rc.shard(model, mesh, specs)
     params, static = eqx.partition(sharded, eqx.is_inexact_array)
@@ -120,7 +175,7 @@ def measure(model: eqx.Module, specs: object, n: int, x: jax.Array) -> dict[str,
     split = [tuple(a.shape) for a, s in zip(flat, flat_specs, strict=True) if any(s)]
     total = sum(a.nbytes for a in jax.tree_util.tree_leaves(params))
     memory = compiled.memory_analysis()
-    batch_per_device = x.nbytes / mesh.shape["data"]
+    batch_per_device = sum(a.nbytes for a in jax.tree_util.tree_leaves(x)) / mesh.shape["data"]
     args = memory.argument_size_in_bytes - batch_per_device if memory else float("nan")
     return {
         "model_bytes": by_axis.get("model", {}).get("bytes", 0),
@@ -136,26 +191,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument(
-        "--models", default="", help="measure only the models whose name contains this"
+        "--models",
+        default="",
+        help="measure only the models whose name contains one of these (comma-separated)",
     )
     parser.add_argument("--out", default="bench-results/bench_comm.json")
     args = parser.parse_args()
-    layouts: dict[str, Callable[[eqx.Module, int, jax.Array], object]] = {
-        "ours": lambda m, n, x: rc.sharding_rules(m, n, example_call=lambda mm: jax.vmap(mm)(x)),
-        "megatron": lambda m, n, x: megatron_specs(m, n),
-        "decl-order": lambda m, n, x: rc.sharding_rules(m, n),
-        "naive": lambda m, n, x: naive_specs(m, n),
+    layouts: dict[str, Callable[[str, eqx.Module, int, object], object]] = {
+        "ours": lambda _, m, n, x: rc.sharding_rules(m, n, example_call=lambda mm: jax.vmap(mm)(x)),
+        "megatron": hand_layout,
+        "decl-order": lambda _, m, n, x: rc.sharding_rules(m, n),
+        "naive": lambda _, m, n, x: naive_specs(m, n),
     }
     rows = []
     start = time.perf_counter()
-    chosen = {name: make for name, make in MODELS.items() if args.models in name}
+    wanted = args.models.split(",")
+    chosen = {name: make for name, make in MODELS.items() if any(w in name for w in wanted)}
     if not chosen:
         parser.error(f"--models {args.models!r} matches none of {list(MODELS)}")
     for name, make in chosen.items():
         model = make()
         x = batch_for(name)
         for n in args.shards:
-            result = {name_: measure(model, fn(model, n, x), n, x) for name_, fn in layouts.items()}
+            # Beyond the zoo only ours and the hand layout are compiled (time).
+            chosen_layouts = ("ours", "megatron") if name in ARCHS else tuple(layouts)
+            result = {
+                name_: measure(model, layouts[name_](name, model, n, x), n, x)
+                for name_ in chosen_layouts
+            }
+            nan = {"model_bytes": float("nan")}
             ref = max(result["megatron"]["model_bytes"], 1)
             rows.append(
                 {
@@ -163,8 +227,8 @@ def main() -> None:
                     "n_model_shards": n,
                     **{f"{k}.{field}": v for k, r in result.items() for field, v in r.items()},
                     "ratio_ours": result["ours"]["model_bytes"] / ref,
-                    "ratio_decl": result["decl-order"]["model_bytes"] / ref,
-                    "ratio_naive": result["naive"]["model_bytes"] / ref,
+                    "ratio_decl": result.get("decl-order", nan)["model_bytes"] / ref,
+                    "ratio_naive": result.get("naive", nan)["model_bytes"] / ref,
                 }
             )
             print(f"  measured {name} at n={n}", flush=True)

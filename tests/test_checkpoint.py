@@ -12,10 +12,10 @@ import pytest
 import safetensors.numpy
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tiny import TinyGPT
 
 import redcoast as rc
 from redcoast.checkpoint import CheckpointError
-from redcoast.models import TinyGPT
 
 IDS = jnp.zeros((2, 8), jnp.int32)
 

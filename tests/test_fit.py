@@ -12,10 +12,10 @@ import numpy as np
 import optax
 import pytest
 from sklearn.datasets import load_digits
+from tiny import TinyGPT
 
 import redcoast as rc
 from redcoast.data import epoch_order
-from redcoast.models.tiny import TinyGPT
 
 
 def collate_fn(examples):

@@ -17,9 +17,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tiny import megatron_specs
 
 import redcoast as rc
-from redcoast.models.tiny import megatron_specs
 
 ARCHS = ("gpt2", "llama", "opt", "gptj")
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 128, (8, 16)), jnp.int32)

@@ -10,11 +10,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
+from tiny import DeepMLP, TinyGPT, TinyGPTJ, TinyLlama, megatron_specs
 
 import redcoast as rc
 from redcoast.hlo import collectives, summarize, weight_all_gathers
-from redcoast.models import DeepMLP, TinyGPT, TinyGPTJ, TinyLlama
-from redcoast.models.tiny import megatron_specs
 
 SEQ = 16
 IDS = jax.random.randint(jax.random.key(1), (8, SEQ), 0, 64)

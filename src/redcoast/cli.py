@@ -15,7 +15,7 @@ import click
 
 from . import __version__
 
-_TINY = ("gpt", "llama", "gptj", "mlp")
+_PLANNED = ("gpt2", "llama", "opt", "gptj", "mlp")
 
 
 def _simulate_devices(n: int) -> None:
@@ -270,25 +270,57 @@ def run() -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Choice(_TINY))
+@click.argument("model", type=click.Choice(_PLANNED))
 @click.option("-n", "--n-model-shards", default=2, show_default=True, help="Model-axis size.")
 @click.option("--no-trace", is_flag=True, help="Alternate by declaration order instead.")
 def plan(model: str, n_model_shards: int, no_trace: bool) -> None:
-    """Print the sharding plan of a built-in reference MODEL: every weight's split and why."""
+    """Print the sharding plan of a small zoo MODEL (or the zoo's MLP block): every
+    weight's split and why."""
+    import equinox as eqx
     import jax
     import jax.numpy as jnp
 
-    from .models import DeepMLP, TinyGPT, TinyGPTJ, TinyLlama
+    from . import models
     from .sharding import sharding_plan
 
     key = jax.random.key(0)
-    built = {
-        "gpt": lambda: TinyGPT(key=key),
-        "llama": lambda: TinyLlama(key=key),
-        "gptj": lambda: TinyGPTJ(key=key),
-        "mlp": lambda: DeepMLP(key=key),
-    }[model]()
-    x = jnp.ones((2, 64)) if model == "mlp" else jnp.zeros((2, 16), jnp.int32)
+    builders = {
+        "gpt2": lambda: models.GPT2(
+            models.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4),
+            key=key,
+        ),
+        "llama": lambda: models.Llama(
+            models.LlamaConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=172,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            ),
+            key=key,
+        ),
+        "opt": lambda: models.OPT(
+            models.OPTConfig(
+                vocab_size=256,
+                hidden_size=64,
+                ffn_dim=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+            ),
+            key=key,
+        ),
+        "gptj": lambda: models.GPTJ(
+            models.GPTJConfig(
+                vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8
+            ),
+            key=key,
+        ),
+        "mlp": lambda: models.MLP(64, 256, key=key),
+    }
+    built: eqx.Module = builders[model]()
+    x = jnp.ones((2, 16, 64)) if model == "mlp" else jnp.zeros((2, 16), jnp.int32)
     call = None if no_trace else (lambda m: jax.vmap(m)(x))
     try:
         click.echo(str(sharding_plan(built, n_model_shards, example_call=call)))

@@ -28,11 +28,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
-from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._dataflow import Dataflow, Use, trace_dataflow
 from .mesh import MODEL
 
 __all__ = [
@@ -231,317 +231,17 @@ def _model_info(model: PyTree) -> _ModelInfo:
     return _ModelInfo(linear_weight, embeddings, role, heads)
 
 
-# --------------------------------------------------------------------------- dataflow
-
-
-@dataclasses.dataclass(frozen=True)
-class _V:
-    """What the walk knows about one jaxpr value.
-
-    weight: (leaf, leaf axis per value axis) when the value is a weight, possibly
-        cast, transposed or sliced.
-    taint: the matmul weights whose outputs reach this value with no matmul between.
-    data: whether the value depends on the example input (not only on iota/literals).
-    feat: (leaf, axis) when one axis of this value is still the output-feature
-        axis of a matmul, followed until the reshape that splits it into heads.
-    """
-
-    weight: tuple[int, tuple[int | None, ...]] | None = None
-    taint: frozenset[int] = frozenset()
-    data: bool = False
-    feat: tuple[int, int] | None = None
-
-
-_EMPTY = _V()
-_DATA = _V(data=True)
-
-
-def _join(a: _V, b: _V) -> _V:
-    return _V(
-        weight=a.weight if a.weight == b.weight else None,
-        taint=a.taint | b.taint,
-        data=a.data or b.data,
-        feat=a.feat if a.feat == b.feat else None,
-    )
-
-
-@dataclasses.dataclass
-class _Use:
-    in_axes: tuple[int, ...]
-    out_axes: tuple[int, ...]
-    taint: set[int]
-
-
-def _reshape_groups(
-    src: tuple[int, ...], dst: tuple[int, ...], axis: int
-) -> tuple[int, int] | None:
-    """The dst axes [i, j) holding exactly src axis `axis` after a row-major reshape."""
-    pre = math.prod(src[:axis])
-    end = pre * src[axis]
-    prefix = [1]
-    for d in dst:
-        prefix.append(prefix[-1] * d)
-    if pre not in prefix or end not in prefix:
-        return None
-    i = prefix.index(pre)
-    j = len(prefix) - 1 - prefix[::-1].index(end)
-    # Size-1 axes around the group belong to neither side; keep the tightest group.
-    while i < j and dst[i] == 1 and math.prod(dst[i + 1 : j]) == src[axis]:
-        i += 1
-    return (i, j) if i < j else None
-
-
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_WEIGHT_UNARY = {"convert_element_type", "copy", "copy_p", "reduce_precision", "slice", "real"}
-
-
-class _Flow:
-    """A walk over a jaxpr that records how weights feed matmuls."""
-
-    def __init__(self, shapes: list[tuple[int, ...]]):
-        self.shapes = shapes
-        self.uses: dict[int, _Use] = {}
-        self.order: list[int] = []
-        self.heads: dict[int, int] = {}
-        self.lookups: dict[int, set[bool]] = {}  # leaf -> {indices depend on data?}
-        self.conflicts: set[int] = set()
-        self.opaque: set[str] = set()
-
-    # -- entry points
-    def run(self, closed: jcore.ClosedJaxpr, n_leaves: int) -> None:
-        jaxpr = closed.jaxpr
-        ins = [
-            _V(weight=(i, tuple(range(len(self.shapes[i])))), data=False) for i in range(n_leaves)
-        ]
-        self.walk(jaxpr, ins, [_DATA] * len(jaxpr.constvars))
-
-    def walk(self, jaxpr: jcore.Jaxpr, ins: list[_V], consts: list[_V]) -> list[_V]:
-        env: dict[Any, _V] = {}
-        for var, state in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = state
-        for var, state in zip(jaxpr.invars, ins, strict=True):
-            env[var] = state
-
-        def read(atom: Any) -> _V:
-            return env.get(atom, _EMPTY) if isinstance(atom, jcore.Var) else _EMPTY
-
-        for eqn in jaxpr.eqns:
-            outs = self.eqn(eqn, [read(a) for a in eqn.invars])
-            for var, state in zip(eqn.outvars, outs, strict=True):
-                env[var] = state
-        return [read(a) for a in jaxpr.outvars]
-
-    def _sub(self, sub: Any, ins: list[_V]) -> list[_V]:
-        if isinstance(sub, jcore.ClosedJaxpr):
-            return self.walk(sub.jaxpr, ins, [_DATA] * len(sub.jaxpr.constvars))
-        return self.walk(sub, ins, [_DATA] * len(sub.constvars))
-
-    # -- one equation
-    def eqn(self, eqn: Any, ins: list[_V]) -> list[_V]:
-        name = eqn.primitive.name
-        params = eqn.params
-        n_out = len(eqn.outvars)
-        if name == "dot_general":
-            return [self._dot(eqn, ins)]
-        if name == "scan":
-            return self._scan(params, ins)
-        if name == "while":
-            return self._while(params, ins)
-        if name == "cond":
-            outs: list[_V] | None = None
-            for branch in params["branches"]:
-                res = self._sub(branch, ins[1:])
-                outs = (
-                    res if outs is None else [_join(a, b) for a, b in zip(outs, res, strict=True)]
-                )
-            return outs or [_EMPTY] * n_out
-        for key in _CALL_PARAMS:
-            sub = params.get(key)
-            if isinstance(sub, jcore.ClosedJaxpr | jcore.Jaxpr):
-                inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
-                if len(inner.invars) == len(ins) and len(inner.outvars) == n_out:
-                    return self._sub(sub, ins)
-        if name in ("gather", "dynamic_slice") and ins and ins[0].weight is not None:
-            return [self._lookup(name, eqn, ins)]
-
-        merged = _EMPTY
-        for state in ins:
-            merged = _join(merged, state) if merged is not _EMPTY else state
-        taint = frozenset().union(*(s.taint for s in ins)) if ins else frozenset()
-        data = any(s.data for s in ins)
-        out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
-        in_shapes = [tuple(getattr(getattr(a, "aval", None), "shape", ())) for a in eqn.invars]
-
-        weight = self._weight_passthrough(name, params, ins, in_shapes, out_shapes)
-        if weight is not None:
-            return [_V(weight=weight)] + [_EMPTY] * (n_out - 1)
-        if any(p in params for p in _CALL_PARAMS) or name in ("custom_jvp_call", "custom_vjp_call"):
-            self.opaque.add(name)
-        feat = self._feat(name, params, ins, in_shapes, out_shapes)
-        return [_V(taint=taint, data=data, feat=feat if i == 0 else None) for i in range(n_out)]
-
-    def _weight_passthrough(
-        self,
-        name: str,
-        params: Mapping[str, Any],
-        ins: list[_V],
-        in_shapes: list[tuple[int, ...]],
-        out_shapes: list[tuple[int, ...]],
-    ) -> tuple[int, tuple[int | None, ...]] | None:
-        """A weight only cast, transposed, sliced or reshaped is still that weight."""
-        weighted = [i for i, s in enumerate(ins) if s.weight is not None]
-        if len(weighted) != 1 or len(out_shapes) != 1:
-            return None
-        k = weighted[0]
-        if any(s.data or s.taint or s.weight is not None for i, s in enumerate(ins) if i != k):
-            return None
-        weight = ins[k].weight
-        assert weight is not None
-        leaf, axes = weight
-        src, dst = in_shapes[k], out_shapes[0]
-        if name == "transpose":
-            return leaf, tuple(axes[p] for p in params["permutation"])
-        if name == "squeeze":
-            dropped = {d % len(src) for d in params["dimensions"]}
-            return leaf, tuple(a for i, a in enumerate(axes) if i not in dropped)
-        if name == "broadcast_in_dim":
-            new: list[int | None] = [None] * len(dst)
-            for i, d in enumerate(params["broadcast_dimensions"]):
-                new[d] = axes[i] if src[i] == dst[d] else None
-            return leaf, tuple(new)
-        if name == "reshape":
-            new = [None] * len(dst)
-            for i in range(len(src)):
-                group = _reshape_groups(src, dst, i)
-                if group is not None and group[1] - group[0] == 1:
-                    new[group[0]] = axes[i]
-            return leaf, tuple(new)
-        if name in _WEIGHT_UNARY or (src == dst and len(ins) <= 3):
-            # casts, slices, and elementwise ops with constants (w * scale)
-            return leaf, axes if src == dst or name == "slice" else tuple([None] * len(dst))
-        return None
-
-    def _feat(
-        self,
-        name: str,
-        params: Mapping[str, Any],
-        ins: list[_V],
-        in_shapes: list[tuple[int, ...]],
-        out_shapes: list[tuple[int, ...]],
-    ) -> tuple[int, int] | None:
-        """Follow a matmul's output-feature axis; at the reshape that splits it, read heads."""
-        carriers = [(i, s.feat) for i, s in enumerate(ins) if s.feat is not None]
-        if not carriers or len(out_shapes) != 1:
-            return None
-        k, feat = carriers[0]
-        assert feat is not None
-        leaf, axis = feat
-        src, dst = in_shapes[k], out_shapes[0]
-        if name == "transpose":
-            return leaf, list(params["permutation"]).index(axis)
-        if name == "broadcast_in_dim":
-            return leaf, params["broadcast_dimensions"][axis]
-        if name == "reshape":
-            group = _reshape_groups(src, dst, axis)
-            if group is None:
-                return None
-            i, j = group
-            if j - i == 1:
-                return leaf, i
-            self.heads.setdefault(leaf, math.prod(dst[i : j - 1]))
-            return None
-        if src == dst:
-            return feat
-        return None
-
-    def _dot(self, eqn: Any, ins: list[_V]) -> _V:
-        lhs, rhs = ins
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        if (lhs.weight is None) == (rhs.weight is None):
-            return _V(taint=lhs.taint | rhs.taint, data=lhs.data or rhs.data)
-        w_is_lhs = lhs.weight is not None
-        w, x = (lhs, rhs) if w_is_lhs else (rhs, lhs)
-        assert w.weight is not None
-        leaf, axes = w.weight
-        wc, wb = (lc, lb) if w_is_lhs else (rc, rb)
-        ndim = len(axes)
-        free = [d for d in range(ndim) if d not in wc and d not in wb]
-        in_axes = tuple(a for a in (axes[d] for d in wc) if a is not None)
-        out_axes = tuple(a for a in (axes[d] for d in free) if a is not None)
-        use = self.uses.get(leaf)
-        if use is None:
-            self.uses[leaf] = _Use(in_axes, out_axes, set(x.taint))
-            self.order.append(leaf)
-        else:
-            if (use.in_axes, use.out_axes) != (in_axes, out_axes):
-                self.conflicts.add(leaf)
-            use.taint |= x.taint
-        feat = None
-        if len(free) == 1:
-            # dot_general's output axes: batch, then lhs free, then rhs free.
-            x_ndim = len(eqn.invars[1 if w_is_lhs else 0].aval.shape)
-            x_free = x_ndim - len(rc if w_is_lhs else lc) - len(lb)
-            feat = (leaf, len(lb) + (0 if w_is_lhs else x_free))
-        return _V(taint=frozenset({leaf}), data=x.data, feat=feat)
-
-    def _lookup(self, name: str, eqn: Any, ins: list[_V]) -> _V:
-        weight = ins[0].weight
-        assert weight is not None
-        leaf, axes = weight
-        by_data = any(s.data for s in ins[1:])
-        self.lookups.setdefault(leaf, set()).add(by_data)
-        if name == "dynamic_slice" and not by_data:
-            # A loop indexing stacked layers (w[i]) keeps the weight.
-            return _V(weight=(leaf, axes))
-        # Looked-up rows are whole (a vocabulary-split table is all-reduced), whatever
-        # computed the indices: in a generation loop they are the argmax of the head's
-        # logits, and passing the head's taint on would flip every layer after it.
-        return _V(data=True)
-
-    def _fixed_point(self, body: Any, consts: list[_V], carry: list[_V], xs: list[_V]) -> list[_V]:
-        nc = len(carry)
-        outs: list[_V] = []
-        for _ in range(6):
-            outs = self._sub(body, consts + carry + xs)
-            new = [_join(a, b) for a, b in zip(carry, outs[:nc], strict=True)]
-            if new == carry:
-                break
-            carry = new
-        return [_join(a, b) for a, b in zip(carry, outs[:nc], strict=True)] + outs[nc:]
-
-    def _scan(self, params: Mapping[str, Any], ins: list[_V]) -> list[_V]:
-        nconst, ncarry = params["num_consts"], params["num_carry"]
-        consts, carry, xs = ins[:nconst], ins[nconst : nconst + ncarry], ins[nconst + ncarry :]
-        sliced = [_slice_leading(s) for s in xs]
-        outs = self._fixed_point(params["jaxpr"], consts, carry, sliced)
-        return outs[:ncarry] + [_stack_leading(s) for s in outs[ncarry:]]
-
-    def _while(self, params: Mapping[str, Any], ins: list[_V]) -> list[_V]:
-        nc, nb = params["cond_nconsts"], params["body_nconsts"]
-        body_consts, carry = ins[nc : nc + nb], ins[nc + nb :]
-        return self._fixed_point(params["body_jaxpr"], body_consts, carry, [])
-
-
-def _slice_leading(s: _V) -> _V:
-    weight = None if s.weight is None else (s.weight[0], s.weight[1][1:])
-    feat = None if s.feat is None or s.feat[1] == 0 else (s.feat[0], s.feat[1] - 1)
-    return _V(weight=weight, taint=s.taint, data=s.data, feat=feat)
-
-
-def _stack_leading(s: _V) -> _V:
-    weight = None if s.weight is None else (s.weight[0], (None, *s.weight[1]))
-    feat = None if s.feat is None else (s.feat[0], s.feat[1] + 1)
-    return _V(weight=weight, taint=s.taint, data=s.data, feat=feat)
-
-
 # --------------------------------------------------------------------------- decisions
 
 
 @dataclasses.dataclass(frozen=True)
 class _Decision:
+    """One weight's split. `guess` marks a fallback, default or guess the plan lists."""
+
     kind: str  # COL | ROW | REP
     axis: int | None
     reason: str
+    guess: bool = False
 
 
 def _decide(
@@ -552,8 +252,17 @@ def _decide(
     heads: int | None,
     n: int,
     why: str,
+    comm_bytes: float | None = None,
+    itemsize: int = 4,
 ) -> _Decision:
-    """Apply divisibility: the wanted split, else the other dimension, else replication."""
+    """Apply divisibility: the wanted split, else the cheaper of the other dimension and
+    replication.
+
+    `comm_bytes` estimates what splitting on the other dimension adds per step (the
+    matmul's input and output moved once each); replication adds nothing but keeps
+    `(1 - 1/n)` of the weight's bytes on every device. The other dimension is used
+    only when it saves more bytes than it moves.
+    """
 
     def col() -> _Decision | None:
         if out_axis is None or shape[out_axis] % n:
@@ -575,23 +284,197 @@ def _decide(
         return got
     if want == COL and heads is not None and heads % n:
         return _Decision(
-            REP, None, f"{heads} heads do not divide {n} shards; a head is never split"
+            REP, None, f"{heads} heads do not divide {n} shards; a head is never split", True
         )
     got = second()
-    if got is not None:
-        dim = shape[out_axis] if want == COL and out_axis is not None else shape[in_axis or 0]
-        return dataclasses.replace(
-            got,
-            reason=f"{want} split wanted but {dim} does not divide {n}: "
-            f"fell back to {got.kind} ({why})",
+    dim = shape[out_axis] if want == COL and out_axis is not None else shape[in_axis or 0]
+    if got is None:
+        return _Decision(REP, None, f"no dimension of {shape} divides {n}", True)
+    saved = math.prod(shape) * itemsize * (1 - 1 / n)
+    if comm_bytes is not None and comm_bytes > saved:
+        return _Decision(
+            REP,
+            None,
+            f"{want} split wanted but {dim} does not divide {n}; a {got.kind} split would move "
+            f"~{_fmt_bytes(comm_bytes)} per step to save {_fmt_bytes(saved)}: replicated ({why})",
+            True,
         )
-    return _Decision(REP, None, f"no dimension of {shape} divides {n}")
+    return dataclasses.replace(
+        got,
+        reason=f"{want} split wanted but {dim} does not divide {n}: "
+        f"fell back to {got.kind} ({why})",
+        guess=True,
+    )
 
 
 def _axis_spec(ndim: int, axis: int | None) -> P:
     if axis is None:
         return P()
     return P(*[MODEL if i == axis else None for i in range(ndim)])
+
+
+def _from_spec(spec: P, use: Use | None, pattern: str) -> _Decision:
+    """The decision an override amounts to, so that the dataflow rules build on it."""
+    axes = [i for i, e in enumerate(spec) if e is not None]
+    if not axes:
+        return _Decision(REP, None, f"override {pattern!r}")
+    kind = ROW if use is not None and axes[0] in use.in_axes else COL
+    return _Decision(kind, axes[0], f"override {pattern!r}")
+
+
+def _expert_axis(use: Use) -> int | None:
+    """The axis of a weight that stacks experts (or heads): a batch axis of its matmul,
+    else the leading one of two output or two contracted axes (`(E, d, f)`)."""
+    if use.batch_axes:
+        return use.batch_axes[0]
+    if len(use.out_axes) >= 2:
+        return min(use.out_axes)
+    if len(use.in_axes) >= 2:
+        return min(use.in_axes)
+    return None
+
+
+def _embedding_decisions(
+    flow: Dataflow, info: _ModelInfo, paths: list[str], shapes: list[tuple[int, ...]], n: int
+) -> dict[int, _Decision]:
+    """Lookup tables: split on the vocabulary when looked up by data, replicated when only
+    looked up by position (iota), as Megatron-LM does for position embeddings."""
+    index = {p: i for i, p in enumerate(paths)}
+    emb: dict[int, _Decision] = {}
+    tables = {index[p] for p in info.embeddings if p in index}
+    tables |= {i for i, by in flow.lookups.items() if len(shapes[i]) >= 2 and i not in flow.uses}
+    for i in sorted(tables):
+        by = flow.lookups.get(i, set())
+        if by and not any(by):
+            emb[i] = _Decision(
+                REP, None, "position table (looked up by iota, not by data), as in Megatron-LM"
+            )
+            continue
+        if not by:
+            emb[i] = _Decision(REP, None, "embedding not looked up by example_call", True)
+            continue
+        nd = len(shapes[i])
+        use = flow.uses.get(i)
+        # Split on the hidden dimension instead, the looked-up rows are gathered, and a
+        # tied table (also the head) all-reduces full-vocabulary logits.
+        comm = 4.0 * flow.looked_up.get(i, 0)
+        if use is not None:
+            comm += 4.0 * (use.out_elems + use.in_elems)
+        d = _decide(
+            COL, shapes[i], nd - 2, nd - 1, None, n, "embedding: split on the vocabulary", comm
+        )
+        if d.guess and d.kind != COL:
+            d = dataclasses.replace(
+                d,
+                reason=d.reason + f"; pad the vocabulary to a multiple of {128 * n} to split it",
+            )
+        emb[i] = d
+    return emb
+
+
+def _matmul_decision(
+    leaf: int,
+    flow: Dataflow,
+    decided: dict[int, _Decision],
+    info: _ModelInfo,
+    paths: list[str],
+    shapes: list[tuple[int, ...]],
+    heads: dict[int, int],
+    n: int,
+) -> _Decision:
+    use = flow.uses[leaf]
+    if leaf in flow.gates:
+        return _Decision(
+            REP,
+            None,
+            "gate: its output only scales, shifts or selects; replicated, which moves nothing",
+            True,
+        )
+    if use.stem and len(shapes[leaf]) > 2:
+        return _Decision(
+            REP,
+            None,
+            "stem convolution on the raw input: replicated, as Megatron-LM's ViT does; "
+            "splitting it would split the residual stream",
+            True,
+        )
+    sources = sorted(t for t in use.taint if t != leaf and t in decided)
+    # Only a column-split source makes the input split; a replicated one never does.
+    split_src = [t for t in sources if decided[t].kind == COL]
+    if split_src:
+        want, why = ROW, f"input comes split from {paths[split_src[0]]}"
+    elif info.role.get(paths[leaf]) == "o":
+        want, why = ROW, "attention O: split on its input"
+    else:
+        want = COL
+        why = (
+            "input is whole (after " + paths[sources[0]] + ")"
+            if sources
+            else "first matmul on its input"
+        )
+    expert = _expert_axis(use)
+    outs = [a for a in use.out_axes if a != expert]
+    ins = [a for a in use.in_axes if a != expert]
+    comm = 4.0 * (use.out_elems + use.in_elems)
+    return _decide(
+        want,
+        shapes[leaf],
+        outs[-1] if outs else None,
+        ins[-1] if ins else None,
+        heads.get(leaf),
+        n,
+        why,
+        comm,
+    )
+
+
+def _expert_groups(
+    flow: Dataflow,
+    decided: dict[int, _Decision],
+    fixed: Mapping[int, _Decision],
+    paths: list[str],
+    shapes: list[tuple[int, ...]],
+    n: int,
+) -> None:
+    """One expert axis per mixture: expert-parallel or Megatron within experts, by cost.
+
+    A mixture is a stacked-expert matmul reading other stacked-expert matmuls' outputs
+    (`w_out` after `w_in`, or `down` after `gate` and `up`). Splitting the experts keeps
+    the expert axis whole through `w_out` when it is a batch axis there, so only the
+    combined output is reduced; Megatron within experts reduces `w_out`'s whole output.
+    """
+    for out_leaf in flow.order:
+        use = flow.uses[out_leaf]
+        e_out = _expert_axis(use)
+        if e_out is None or out_leaf in fixed:
+            continue
+        ins = [t for t in sorted(use.taint) if _expert_axis(flow.uses.get(t, _NO_USE)) is not None]
+        ins = [t for t in ins if t in decided and t not in fixed]
+        if not ins:
+            continue
+        group = [*ins, out_leaf]
+        experts = shapes[out_leaf][e_out]
+        ep_ok = all(shapes[g][_expert_axis(flow.uses[g]) or 0] % n == 0 for g in group)
+        meg_ok = all(decided[g].kind != REP for g in group)
+        meg_cost = use.out_elems
+        ep_cost = use.out_elems / experts if e_out in use.batch_axes else use.out_elems
+        if ep_ok and (not meg_ok or ep_cost <= meg_cost):
+            why = (
+                f"expert-parallel: {experts} experts split whole (est. {ep_cost:.0f} vs "
+                f"{meg_cost:.0f} elements reduced by Megatron within experts)"
+            )
+            for g in group:
+                kind = ROW if g == out_leaf else COL
+                decided[g] = _Decision(kind, _expert_axis(flow.uses[g]), why)
+        elif meg_ok:
+            for g in group:
+                d = decided[g]
+                decided[g] = dataclasses.replace(
+                    d, reason=d.reason + f"; Megatron within experts, as {paths[out_leaf]}"
+                )
+
+
+_NO_USE = Use((), (), (), set(), 0)
 
 
 def _plan_dataflow(
@@ -601,26 +484,14 @@ def _plan_dataflow(
     paths: list[str],
     shapes: list[tuple[int, ...]],
     n: int,
-) -> tuple[dict[int, _Decision], dict[int, _Decision], list[str]]:
-    """Matmul and embedding decisions from the traced dataflow."""
-    arrays, static = eqx.partition(model, eqx.is_array)
-    leaves, treedef = jax.tree_util.tree_flatten(arrays)
+    overrides: Mapping[int, tuple[str, P]],
+) -> tuple[dict[int, _Decision], dict[int, _Decision], dict[int, _Decision], list[str]]:
+    """Matmul, embedding and tied-vector decisions from the traced dataflow.
 
-    def call(*flat: Any) -> Any:
-        return example_call(eqx.combine(jax.tree_util.tree_unflatten(treedef, list(flat)), static))
-
-    abstract = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
-    try:
-        closed = jax.make_jaxpr(call)(*abstract)
-    except Exception as err:
-        raise ValueError(
-            f"example_call raised {type(err).__name__} while being traced: {err}\n"
-            "example_call must run the model on an example input, e.g. "
-            "`example_call=lambda m: jax.vmap(m)(x)` or `lambda m: loss_fn(m, batch, key)`."
-        ) from err
-
-    flow = _Flow(shapes)
-    flow.run(closed, len(leaves))
+    Overrides are decisions fixed before the rules run, so that what reads an
+    overridden weight's output follows from the override.
+    """
+    flow = trace_dataflow(example_call, model)
     notes: list[str] = []
     if flow.opaque:
         notes.append(
@@ -633,54 +504,19 @@ def _plan_dataflow(
         if wpath in index and index[wpath] not in heads and info.role.get(wpath) in ("q", "k", "v"):
             heads[index[wpath]] = count
 
-    # Lookup tables: split on the vocabulary when looked up by data, replicated when only
-    # looked up by position (iota), as Megatron-LM does for position embeddings.
-    emb: dict[int, _Decision] = {}
-    tables = {index[p] for p in info.embeddings if p in index}
-    tables |= {i for i, by in flow.lookups.items() if len(shapes[i]) >= 2 and i not in flow.uses}
-    for i in sorted(tables):
-        by = flow.lookups.get(i, set())
-        if by and not any(by):
-            emb[i] = _Decision(
-                REP, None, "position table (looked up by iota, not by data), as in Megatron-LM"
-            )
-            continue
-        if not by:
-            emb[i] = _Decision(REP, None, "embedding not looked up by example_call")
-            continue
-        emb[i] = _decide(
-            COL,
-            shapes[i],
-            len(shapes[i]) - 2,
-            len(shapes[i]) - 1,
-            None,
-            n,
-            "embedding: split on the vocabulary",
-        )
-
-    decided: dict[int, _Decision] = dict(emb)
+    fixed = {i: _from_spec(spec, flow.uses.get(i), pat) for i, (pat, spec) in overrides.items()}
+    emb = {
+        i: d
+        for i, d in _embedding_decisions(flow, info, paths, shapes, n).items()
+        if i not in fixed
+    }
+    decided: dict[int, _Decision] = {**emb, **fixed}
     for _ in range(8):
         changed = False
         for leaf in flow.order:
-            if leaf in emb:
+            if leaf in emb or leaf in fixed:
                 continue
-            use = flow.uses[leaf]
-            sources = sorted(t for t in use.taint if t != leaf and t in decided)
-            split_src = [t for t in sources if decided[t].kind in (COL, REP) and t not in emb]
-            split_src += [t for t in sources if t in emb and decided[t].kind == COL]
-            if split_src:
-                want = ROW
-                why = f"input comes split from {paths[split_src[0]]}"
-            else:
-                want = COL
-                why = (
-                    "input is whole (after " + paths[sources[0]] + ")"
-                    if sources
-                    else "first matmul on its input"
-                )
-            out_axis = use.out_axes[0] if use.out_axes else None
-            in_axis = use.in_axes[0] if use.in_axes else None
-            d = _decide(want, shapes[leaf], out_axis, in_axis, heads.get(leaf), n, why)
+            d = _matmul_decision(leaf, flow, decided, info, paths, shapes, heads, n)
             if decided.get(leaf) != d:
                 decided[leaf] = d
                 changed = True
@@ -688,11 +524,22 @@ def _plan_dataflow(
             break
     else:
         notes.append("the dataflow rules did not settle after 8 passes; the last pass is used")
+    _expert_groups(flow, decided, fixed, paths, shapes, n)
     for leaf in sorted(flow.conflicts):
         notes.append(
             f"{paths[leaf]} is used in matmuls of different orientation; the first one decided"
         )
-    return {k: v for k, v in decided.items() if k not in emb}, emb, notes
+    tied: dict[int, _Decision] = {}
+    for vec, (mleaf, pairs) in flow.ties.items():
+        d = decided.get(mleaf)
+        if vec in decided or d is None or d.kind == REP or d.axis is None:
+            continue
+        for vaxis, maxis in pairs.items():
+            if maxis == d.axis and shapes[vec][vaxis] % n == 0:
+                why = f"added to {paths[mleaf]}'s output: split with its {d.kind} dimension"
+                tied[vec] = _Decision(COL, vaxis, why)
+    matmuls = {k: v for k, v in decided.items() if k not in emb and k not in fixed}
+    return matmuls, emb, tied, notes
 
 
 def _plan_declaration(
@@ -778,12 +625,17 @@ def sharding_plan(
     paths = [p for p, _ in leaves]
     shapes = [tuple(int(d) for d in leaf.shape) for _, leaf in leaves]
     info = _model_info(model)
+    fixed = _match_overrides(overrides or {}, paths, shapes, n)
     notes: list[str] = []
+    tied: dict[int, _Decision] = {}
     if example_call is not None:
-        matmuls, emb, flow_notes = _plan_dataflow(example_call, model, info, paths, shapes, n)
+        matmuls, emb, tied, flow_notes = _plan_dataflow(
+            example_call, model, info, paths, shapes, n, fixed
+        )
         notes.extend(flow_notes)
         method = "rules traced from example_call (dataflow)"
         unseen = [p for p in info.linear_weight if p in paths and paths.index(p) not in matmuls]
+        unseen = [p for p in unseen if paths.index(p) not in fixed]
         if unseen:
             notes.append(f"{len(unseen)} Linear weight(s) not reached by example_call: replicated")
     else:
@@ -794,51 +646,75 @@ def sharding_plan(
         )
         notes.append(method)
 
-    bias_of = {b: w for w, b in info.linear_weight.items() if b}
-    index = {p: i for i, p in enumerate(paths)}
     plans: list[LeafPlan] = []
     specs: list[P] = []
-    matched: set[str] = set()
     for i, (path, leaf) in enumerate(leaves):
-        shape = shapes[i]
-        ndim = len(shape)
-        d = matmuls.get(i) or emb.get(i)
-        if d is not None:
-            spec, reason = _axis_spec(ndim, d.axis), f"{d.kind}: {d.reason}"
-        elif path in bias_of and index.get(bias_of[path]) in matmuls:
-            wd = matmuls[index[bias_of[path]]]
-            if wd.kind == COL:
-                spec, reason = (
-                    _axis_spec(ndim, ndim - 1),
-                    "bias of a column-split Linear: split with it",
-                )
-            else:
-                spec, reason = P(), f"bias of a {wd.kind} Linear: replicated"
-        elif path in info.linear_weight:
-            spec, reason = P(), "Linear weight not reached by example_call: replicated"
-        elif ndim <= 1:
-            spec, reason = P(), "scalar or vector (norm scale, bias): replicated"
-        else:
-            spec, reason = P(), "not a matmul weight or lookup table: replicated"
+        spec, reason, guess = _leaf_spec(i, path, shapes[i], info, paths, matmuls, emb, tied)
         if n == 1:
-            spec, reason = P(), "one model shard: replicated"
-        for pattern, override in (overrides or {}).items():
-            if fnmatch.fnmatchcase(path, pattern):
-                _check_spec(path, shape, override, {MODEL: n})
-                spec, reason = override, f"override {pattern!r}"
-                matched.add(pattern)
+            spec, reason, guess = P(), "one model shard: replicated", False
+        if i in fixed:
+            pattern, spec = fixed[i]
+            reason, guess = f"override {pattern!r}", False
+        if guess:
+            notes.append(f"{path}: {reason}")
         specs.append(spec)
-        plans.append(LeafPlan(path, shape, str(leaf.dtype), spec, reason))
-    unmatched = [p for p in (overrides or {}) if p not in matched]
+        plans.append(LeafPlan(path, shapes[i], str(leaf.dtype), spec, reason))
+    spec_tree = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(eqx.filter(model, eqx.is_array)), specs
+    )
+    return ShardingPlan(spec_tree, tuple(plans), n, method, tuple(notes))
+
+
+def _match_overrides(
+    overrides: Mapping[str, P], paths: list[str], shapes: list[tuple[int, ...]], n: int
+) -> dict[int, tuple[str, P]]:
+    """Leaf index -> (pattern, spec) for every override; the last matching pattern wins."""
+    fixed: dict[int, tuple[str, P]] = {}
+    matched: set[str] = set()
+    for i, path in enumerate(paths):
+        for pattern, override in overrides.items():
+            if fnmatch.fnmatchcase(path, pattern):
+                _check_spec(path, shapes[i], override, {MODEL: n})
+                fixed[i] = (pattern, override)
+                matched.add(pattern)
+    unmatched = [p for p in overrides if p not in matched]
     if unmatched:
         raise ValueError(
             f"override pattern(s) {unmatched} match no array of the model; patterns are globs "
             f"over dotted paths such as {paths[0]!r}."
         )
-    spec_tree = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(eqx.filter(model, eqx.is_array)), specs
-    )
-    return ShardingPlan(spec_tree, tuple(plans), n, method, tuple(notes))
+    return fixed
+
+
+def _leaf_spec(
+    i: int,
+    path: str,
+    shape: tuple[int, ...],
+    info: _ModelInfo,
+    paths: list[str],
+    matmuls: Mapping[int, _Decision],
+    emb: Mapping[int, _Decision],
+    tied: Mapping[int, _Decision],
+) -> tuple[P, str, bool]:
+    """One leaf's spec, the reason, and whether it was a fallback or a guess."""
+    ndim = len(shape)
+    d = matmuls.get(i) or emb.get(i)
+    if d is not None:
+        return _axis_spec(ndim, d.axis), f"{d.kind}: {d.reason}", d.guess
+    if i in tied:
+        return _axis_spec(ndim, tied[i].axis), tied[i].reason, False
+    bias_of = {b: w for w, b in info.linear_weight.items() if b}
+    weight = paths.index(bias_of[path]) if path in bias_of and bias_of[path] in paths else None
+    if weight is not None and weight in matmuls:
+        wd = matmuls[weight]
+        if wd.kind == COL:
+            return _axis_spec(ndim, ndim - 1), "bias of a column-split Linear: split with it", False
+        return P(), f"bias of a {wd.kind} Linear: replicated", False
+    if path in info.linear_weight:
+        return P(), "Linear weight not reached by example_call: replicated", True
+    if ndim <= 1:
+        return P(), "scalar or vector (norm scale, bias): replicated", False
+    return P(), "not a matmul weight or lookup table: replicated", ndim >= 2
 
 
 def sharding_rules(

@@ -14,6 +14,7 @@ it holds in `DIR/arrays.npz`.
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,10 @@ import optax
 from jax.experimental import multihost_utils
 
 import redcoast as rc
-from redcoast.models import TinyGPT
+
+# The reference models live with the tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny import TinyGPT
 
 N_MODEL_SHARDS = 4
 SEQ = 17

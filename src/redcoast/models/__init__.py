@@ -2,7 +2,7 @@
 
 The decoder zoo -- `GPT2`, `Llama`, `OPT`, `GPTJ` -- loads from and saves to Hugging
 Face `transformers` folders (`from_hf`, `to_hf`) and generates with a key/value
-cache (`generate`). The tiny reference models are what tests and benchmarks split.
+cache (`generate`).
 """
 
 from .auto import ARCHITECTURES as ARCHITECTURES
@@ -26,7 +26,3 @@ from .llama import Llama as Llama
 from .llama import LlamaConfig as LlamaConfig
 from .opt import OPT as OPT
 from .opt import OPTConfig as OPTConfig
-from .tiny import DeepMLP as DeepMLP
-from .tiny import TinyGPT as TinyGPT
-from .tiny import TinyGPTJ as TinyGPTJ
-from .tiny import TinyLlama as TinyLlama

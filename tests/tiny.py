@@ -1,4 +1,4 @@
-"""Small reference architectures: the shapes that tests and benchmarks split.
+"""Small reference architectures and their Megatron-LM layouts, for tests and benchmarks.
 
 Each stands for a family the sharding rules must get right:
 
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from ..mesh import MODEL
-from .layers import MLP, Attention, SwiGLU
+from redcoast.mesh import MODEL
+from redcoast.models.layers import MLP, Attention, SwiGLU
 
 
 class GPTBlock(eqx.Module):

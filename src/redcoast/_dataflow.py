@@ -1,0 +1,615 @@
+"""How weights feed matmuls: an abstract interpreter of jaxprs.
+
+`trace_dataflow(example_call, model)` traces `example_call(model)` with
+`jax.make_jaxpr` (abstract shapes, no FLOPs) and walks the jaxpr once, keeping
+for every value a small abstract state (`Value`): which weight it still is, which
+matmuls' outputs reach it, which of its axes carry which weight axis. Each
+primitive has a rule in `RULES`; primitives without one are treated as
+elementwise. The result, a `Dataflow`, says for every matmul weight which of its
+axes are contracted and which are produced, which matmuls feed it, which weights
+only gate or scale other values, and which vectors are added to which matmul's
+output. The decisions built on it live in `sharding.py`.
+
+This is the only module that touches `jax.extend.core`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+__all__ = ["RULES", "Dataflow", "Use", "Value", "trace_dataflow"]
+
+_prims = jcore.primitives
+
+# Axis origin: for each axis of a value, the leaf axis it holds (None: none).
+Axes = tuple[int | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """What the walk knows about one jaxpr value.
+
+    weight: (leaf, leaf axis per value axis) when the value is a weight, possibly
+        cast, transposed, sliced, broadcast or reshaped.
+    taint: the matmul weights whose outputs reach this value with no matmul between,
+        except through a gate (see `Dataflow.gates`).
+    data: whether the value depends on the example input (not only on iota/literals).
+    feat: (leaf, leaf axis per value axis) for the matmul whose output this value
+        still is, through elementwise ops and reshapes that keep its axes.
+    bcast: the value was broadcast to a larger shape and so scales or shifts whatever
+        it is combined with, rather than carrying features of its own.
+    """
+
+    weight: tuple[int, Axes] | None = None
+    taint: frozenset[int] = frozenset()
+    data: bool = False
+    feat: tuple[int, Axes] | None = None
+    bcast: bool = False
+
+
+EMPTY = Value()
+DATA = Value(data=True)
+
+
+def _join(a: Value, b: Value) -> Value:
+    return Value(
+        weight=a.weight if a.weight == b.weight else None,
+        taint=a.taint | b.taint,
+        data=a.data or b.data,
+        feat=a.feat if a.feat == b.feat else None,
+        bcast=a.bcast and b.bcast,
+    )
+
+
+@dataclasses.dataclass
+class Use:
+    """How one weight is used by matmuls (the first use decides; others are checked).
+
+    in_axes: leaf axes contracted with the input.
+    out_axes: leaf axes that appear in the output as features.
+    batch_axes: leaf axes that are batch dimensions of the matmul (stacked experts).
+    taint: the matmuls whose outputs reach this weight's input.
+    out_elems: elements of the matmul's output (for cost estimates).
+    in_elems: elements of the matmul's other operand (for cost estimates).
+    stem: the input is the example's data itself, reached through no matmul.
+    """
+
+    in_axes: tuple[int, ...]
+    out_axes: tuple[int, ...]
+    batch_axes: tuple[int, ...]
+    taint: set[int]
+    out_elems: int
+    in_elems: int = 0
+    stem: bool = False
+
+
+@dataclasses.dataclass
+class Dataflow:
+    """What a walk over the traced jaxpr found; leaves are indices into the flat arrays.
+
+    uses: matmul weights and how they are used, in `order` of first use.
+    heads: leaf -> number of heads its output is reshaped into.
+    lookups: leaf -> {whether the indices of a gather from it depend on data}.
+    looked_up: leaf -> elements gathered from it by data (for cost estimates).
+    gates: matmul weights whose outputs only scale, shift or select other values
+        (multiplied in after a broadcast, or contracted against another branch's
+        outputs) and never reach another matmul's input or the result as features.
+    ties: vector leaf -> (matmul leaf, {vector axis: matmul leaf axis}) for arrays
+        added to (or multiplied into) a matmul's output: they split with it.
+    conflicts: leaves used in matmuls of different orientation.
+    opaque: primitives carrying sub-jaxprs whose insides were not followed.
+    """
+
+    uses: dict[int, Use] = dataclasses.field(default_factory=dict)
+    order: list[int] = dataclasses.field(default_factory=list)
+    heads: dict[int, int] = dataclasses.field(default_factory=dict)
+    lookups: dict[int, set[bool]] = dataclasses.field(default_factory=dict)
+    looked_up: dict[int, int] = dataclasses.field(default_factory=dict)
+    gates: set[int] = dataclasses.field(default_factory=set)
+    ties: dict[int, tuple[int, dict[int, int]]] = dataclasses.field(default_factory=dict)
+    conflicts: set[int] = dataclasses.field(default_factory=set)
+    opaque: set[str] = dataclasses.field(default_factory=set)
+    gated: set[int] = dataclasses.field(default_factory=set)
+    reaching: set[int] = dataclasses.field(default_factory=set)
+
+
+def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...], axis: int) -> tuple[int, int] | None:
+    """The dst axes [i, j) holding exactly src axis `axis` after a row-major reshape."""
+    pre = math.prod(src[:axis])
+    end = pre * src[axis]
+    prefix = [1]
+    for d in dst:
+        prefix.append(prefix[-1] * d)
+    if pre not in prefix or end not in prefix:
+        return None
+    i = prefix.index(pre)
+    j = len(prefix) - 1 - prefix[::-1].index(end)
+    # Size-1 axes around the group belong to neither side; keep the tightest group.
+    while i < j and dst[i] == 1 and math.prod(dst[i + 1 : j]) == src[axis]:
+        i += 1
+    return (i, j) if i < j else None
+
+
+# --------------------------------------------------------------------------- axis maps
+
+# An axis map takes (params, src shape, dst shape) and gives, for every src axis, the
+# dst axis that holds it unchanged (None when it is merged, split or dropped).
+AxisMap = Callable[[Mapping[str, Any], tuple[int, ...], tuple[int, ...]], list[int | None]]
+
+
+def _map_transpose(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
+    perm = list(params["permutation"])
+    return [int(perm.index(a)) for a in range(len(src))]
+
+
+def _map_squeeze(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
+    dropped = {int(d) % len(src) for d in params["dimensions"]}
+    out: list[int | None] = []
+    k = 0
+    for a in range(len(src)):
+        out.append(None if a in dropped else k)
+        k += a not in dropped
+    return out
+
+
+def _map_broadcast(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
+    dims = params["broadcast_dimensions"]
+    return [int(d) if src[a] == dst[d] else None for a, d in enumerate(dims)]
+
+
+def _map_reshape(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
+    out: list[int | None] = []
+    for a in range(len(src)):
+        group = reshape_groups(src, dst, a)
+        out.append(group[0] if group is not None and group[1] - group[0] == 1 else None)
+    return out
+
+
+def _map_same(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
+    return list(range(len(src))) if len(src) == len(dst) else [None] * len(src)
+
+
+AXIS_MAPS: dict[Any, AxisMap] = {
+    _prims.transpose_p: _map_transpose,
+    _prims.squeeze_p: _map_squeeze,
+    _prims.broadcast_in_dim_p: _map_broadcast,
+    _prims.reshape_p: _map_reshape,
+    _prims.slice_p: _map_same,
+}
+
+
+def _remap(axes: Axes, mapping: list[int | None], ndim: int) -> Axes:
+    new: list[int | None] = [None] * ndim
+    for a, d in enumerate(mapping):
+        if d is not None:
+            new[d] = axes[a]
+    return tuple(new)
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+def _shape(atom: Any) -> tuple[int, ...]:
+    return tuple(getattr(getattr(atom, "aval", None), "shape", ()))
+
+
+class _Walk:
+    """One walk over a jaxpr; `RULES` are called with it to record what they see."""
+
+    def __init__(self) -> None:
+        self.flow = Dataflow()
+
+    def jaxpr(self, jaxpr: jcore.Jaxpr, ins: list[Value], consts: list[Value]) -> list[Value]:
+        env: dict[Any, Value] = {}
+        for var, state in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = state
+        for var, state in zip(jaxpr.invars, ins, strict=True):
+            env[var] = state
+
+        def read(atom: Any) -> Value:
+            return env.get(atom, EMPTY) if isinstance(atom, jcore.Var) else EMPTY
+
+        for eqn in jaxpr.eqns:
+            rule = RULES.get(eqn.primitive, elementwise)
+            outs = rule(self, eqn, [read(a) for a in eqn.invars])
+            for var, state in zip(eqn.outvars, outs, strict=True):
+                env[var] = state
+        return [read(a) for a in jaxpr.outvars]
+
+    def sub(self, sub: Any, ins: list[Value]) -> list[Value]:
+        if isinstance(sub, jcore.ClosedJaxpr):
+            return self.jaxpr(sub.jaxpr, ins, [DATA] * len(sub.jaxpr.constvars))
+        return self.jaxpr(sub, ins, [DATA] * len(sub.constvars))
+
+    def fixed_point(
+        self, body: Any, consts: list[Value], carry: list[Value], xs: list[Value]
+    ) -> list[Value]:
+        nc = len(carry)
+        outs: list[Value] = []
+        for _ in range(6):
+            outs = self.sub(body, consts + carry + xs)
+            new = [_join(a, b) for a, b in zip(carry, outs[:nc], strict=True)]
+            if new == carry:
+                break
+            carry = new
+        return [_join(a, b) for a, b in zip(carry, outs[:nc], strict=True)] + outs[nc:]
+
+
+Rule = Callable[[_Walk, Any, list[Value]], list[Value]]
+
+
+def _gate_out(walk: _Walk, gated: frozenset[int]) -> None:
+    walk.flow.gated |= gated
+
+
+def elementwise(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
+    """Any primitive without a rule: taint flows from every input to every output.
+
+    Two refinements make gates visible: an operand that was broadcast up to the shape
+    of the others (a per-example scale, a router's weight per expert) passes its
+    matmuls on as gates rather than as features, and integer or boolean outputs
+    (argmax, top-k indices, comparisons) carry no features at all.
+    """
+    params = eqn.params
+    n_out = len(eqn.outvars)
+    out_shapes = [_shape(v) for v in eqn.outvars]
+    in_shapes = [_shape(a) for a in eqn.invars]
+    if any(isinstance(params.get(k), jcore.ClosedJaxpr | jcore.Jaxpr) for k in params):
+        walk.flow.opaque.add(eqn.primitive.name)
+    weight = _weight_passthrough(eqn, ins, in_shapes, out_shapes)
+    if weight is not None:
+        return [Value(weight=weight)] + [EMPTY] * (n_out - 1)
+    data = any(s.data for s in ins)
+    size = math.prod(out_shapes[0]) if len(out_shapes) == 1 else 0
+    # Broadcast here (size-1 axes against full ones) or just before.
+    smaller = [s.bcast or math.prod(shape) < size for s, shape in zip(ins, in_shapes, strict=True)]
+    full = [s for s, small in zip(ins, smaller, strict=True) if not small]
+    if full and len(full) < len(ins) and any(s.data or s.taint for s in full):
+        kept = frozenset().union(*(s.taint for s in full))
+        _gate_out(walk, frozenset().union(*(s.taint for s in ins)) - kept)
+        taint = kept
+    else:
+        taint = frozenset().union(*(s.taint for s in ins)) if ins else frozenset()
+    _tie(walk, eqn, ins, in_shapes, out_shapes)
+    feat = _feat(walk, eqn, ins, in_shapes, out_shapes)
+    if eqn.primitive is _prims.broadcast_in_dim_p:
+        # An activation broadcast up to a larger shape scales or shifts what it meets.
+        bcast = math.prod(out_shapes[0]) > math.prod(in_shapes[0]) and bool(ins[0].taint)
+    elif eqn.primitive in AXIS_MAPS:
+        bcast = False
+    else:
+        bcast = any(s.bcast for s in ins) and all(s.bcast or not (s.data or s.taint) for s in ins)
+    outs = []
+    for i, var in enumerate(eqn.outvars):
+        discrete = not _is_float(getattr(var.aval, "dtype", None))
+        outs.append(
+            Value(
+                taint=frozenset() if discrete else taint,
+                data=data,
+                feat=feat if i == 0 and not discrete else None,
+                bcast=bcast and not discrete,
+            )
+        )
+    return outs
+
+
+def _is_float(dtype: Any) -> bool:
+    try:
+        return bool(np.issubdtype(dtype, np.inexact))
+    except TypeError:  # PRNG key types and other extended dtypes
+        return False
+
+
+def _weight_passthrough(
+    eqn: Any, ins: list[Value], in_shapes: list[tuple[int, ...]], out_shapes: list[tuple[int, ...]]
+) -> tuple[int, Axes] | None:
+    """A weight only cast, transposed, sliced, broadcast or reshaped is still that weight."""
+    weighted = [i for i, s in enumerate(ins) if s.weight is not None]
+    if len(weighted) != 1 or len(out_shapes) != 1:
+        return None
+    k = weighted[0]
+    if any(s.data or s.taint or s.weight is not None for i, s in enumerate(ins) if i != k):
+        return None
+    weight = ins[k].weight
+    assert weight is not None
+    leaf, axes = weight
+    src, dst = in_shapes[k], out_shapes[0]
+    axis_map = AXIS_MAPS.get(eqn.primitive)
+    if axis_map is not None:
+        return leaf, _remap(axes, axis_map(eqn.params, src, dst), len(dst))
+    if src == dst and len(ins) <= 3:
+        # casts, copies and elementwise ops with constants (w * scale)
+        return leaf, axes
+    return None
+
+
+def _feat(
+    walk: _Walk,
+    eqn: Any,
+    ins: list[Value],
+    in_shapes: list[tuple[int, ...]],
+    out_shapes: list[tuple[int, ...]],
+) -> tuple[int, Axes] | None:
+    """Follow a matmul's output axes through ops that keep them."""
+    carriers = [(i, s.feat) for i, s in enumerate(ins) if s.feat is not None and not s.bcast]
+    if not carriers or len(out_shapes) != 1:
+        return None
+    k, feat = carriers[0]
+    assert feat is not None
+    leaf, axes = feat
+    src, dst = in_shapes[k], out_shapes[0]
+    axis_map = AXIS_MAPS.get(eqn.primitive)
+    if axis_map is None:
+        return feat if src == dst else None
+    if eqn.primitive is _prims.reshape_p:
+        use = walk.flow.uses.get(leaf)
+        for a, leaf_axis in enumerate(axes):
+            group = reshape_groups(src, dst, a)
+            if use and leaf_axis in use.out_axes and group and group[1] - group[0] > 1:
+                # The reshape that splits a matmul's output features reads its heads.
+                walk.flow.heads.setdefault(leaf, math.prod(dst[group[0] : group[1] - 1]))
+    return leaf, _remap(axes, axis_map(eqn.params, src, dst), len(dst))
+
+
+def _tie(
+    walk: _Walk,
+    eqn: Any,
+    ins: list[Value],
+    in_shapes: list[tuple[int, ...]],
+    out_shapes: list[tuple[int, ...]],
+) -> None:
+    """A weight added to (or multiplied into) a matmul's output is tied to its axes."""
+    if len(ins) != 2 or len(out_shapes) != 1:
+        return
+    for w, m in ((ins[0], ins[1]), (ins[1], ins[0])):
+        if w.weight is None or m.feat is None:
+            continue
+        leaf, waxes = w.weight
+        mleaf, maxes = m.feat
+        pairs = {
+            wa: ma
+            for wa, ma in zip(waxes, maxes, strict=False)
+            if wa is not None and ma is not None
+        }
+        if pairs and leaf not in walk.flow.uses:
+            walk.flow.ties.setdefault(leaf, (mleaf, pairs))
+
+
+def dot_general(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
+    """A matmul: record how the weight operand is used; its output carries its features."""
+    lhs, rhs = ins
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    out_shape = _shape(eqn.outvars[0])
+    if (lhs.weight is None) == (rhs.weight is None):
+        return [_activation_dot(walk, lhs, rhs, (lc, rc))]
+    w_is_lhs = lhs.weight is not None
+    w, x = (lhs, rhs) if w_is_lhs else (rhs, lhs)
+    assert w.weight is not None
+    leaf, axes = w.weight
+    wc, wb = (lc, lb) if w_is_lhs else (rc, rb)
+    xc, xb = (rc, rb) if w_is_lhs else (lc, lb)
+    ndim = len(axes)
+    free = [d for d in range(ndim) if d not in wc and d not in wb]
+    in_axes = tuple(a for a in (axes[d] for d in wc) if a is not None)
+    out_axes = tuple(a for a in (axes[d] for d in free) if a is not None)
+    batch_axes = tuple(a for a in (axes[d] for d in wb) if a is not None)
+    flow = walk.flow
+    use = flow.uses.get(leaf)
+    if use is None:
+        x_elems = math.prod(_shape(eqn.invars[1 if w_is_lhs else 0]))
+        flow.uses[leaf] = Use(
+            in_axes, out_axes, batch_axes, set(x.taint), math.prod(out_shape), x_elems
+        )
+        flow.order.append(leaf)
+    else:
+        if (use.in_axes, use.out_axes) != (in_axes, out_axes):
+            flow.conflicts.add(leaf)
+        use.taint |= x.taint
+    flow.reaching |= x.taint
+    # dot_general's output axes: batch, then lhs free, then rhs free.
+    x_ndim = len(_shape(eqn.invars[1 if w_is_lhs else 0]))
+    x_free = x_ndim - len(xc) - len(xb)
+    w_free = [axes[d] for d in free]
+    out: list[int | None] = [axes[d] for d in wb]
+    out += w_free + [None] * x_free if w_is_lhs else [None] * x_free + w_free
+    return [Value(taint=frozenset({leaf}), data=x.data, feat=(leaf, tuple(out)))]
+
+
+_NO_USE = Use((), (), (), set(), 0)
+
+
+def _activation_dot(walk: _Walk, lhs: Value, rhs: Value, contract: tuple) -> Value:
+    """A product of two activations (attention scores, a mixture's combine).
+
+    When one side contracts a matmul's output features against an axis of the other
+    side that is nobody's features -- a router's weight per expert against the stacked
+    experts' outputs -- that matmul selects among branches: a gate.
+    """
+    taint = lhs.taint | rhs.taint
+    sides = ((lhs, contract[0], rhs, contract[1]), (rhs, contract[1], lhs, contract[0]))
+    for a, ac, b, bc in sides:
+        if a.feat is None or not a.taint:
+            continue
+        leaf, axes = a.feat
+        use = walk.flow.uses.get(leaf)
+        feature = use is not None and any(axes[d] in use.out_axes for d in ac)
+        b_feature = b.feat is not None and any(
+            b.feat[1][d] is not None
+            and b.feat[1][d] in walk.flow.uses.get(b.feat[0], _NO_USE).out_axes
+            for d in bc
+        )
+        if feature and not b_feature:
+            _gate_out(walk, a.taint - b.taint)
+            taint = b.taint
+    return Value(taint=taint, data=lhs.data or rhs.data)
+
+
+def conv_general_dilated(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
+    """A convolution with a weight kernel: output features on its `O` axis, input on `I`."""
+    lhs, rhs = ins
+    if rhs.weight is None or lhs.weight is not None:
+        return elementwise(walk, eqn, ins)
+    leaf, axes = rhs.weight
+    dn = eqn.params["dimension_numbers"]
+    out_spec, in_spec = dn.rhs_spec[0], dn.rhs_spec[1]
+    out_axis, in_axis = axes[out_spec], axes[in_spec]
+    flow = walk.flow
+    if leaf not in flow.uses:
+        flow.uses[leaf] = Use(
+            tuple(a for a in (in_axis,) if a is not None),
+            tuple(a for a in (out_axis,) if a is not None),
+            (),
+            set(lhs.taint),
+            math.prod(_shape(eqn.outvars[0])),
+            math.prod(_shape(eqn.invars[0])),
+            stem=lhs.data and not lhs.taint,
+        )
+        flow.order.append(leaf)
+    flow.reaching |= lhs.taint
+    ndim = len(_shape(eqn.outvars[0]))
+    feat: list[int | None] = [None] * ndim
+    feat[dn.out_spec[1]] = out_axis
+    return [Value(taint=frozenset({leaf}), data=lhs.data, feat=(leaf, tuple(feat)))]
+
+
+def lookup(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
+    """A gather or dynamic slice from a table: an embedding, or a stacked layer's slice."""
+    if not ins or ins[0].weight is None:
+        return elementwise(walk, eqn, ins)
+    leaf, axes = ins[0].weight
+    by_data = any(s.data for s in ins[1:])
+    walk.flow.lookups.setdefault(leaf, set()).add(by_data)
+    if by_data:
+        elems = math.prod(_shape(eqn.outvars[0]))
+        walk.flow.looked_up[leaf] = walk.flow.looked_up.get(leaf, 0) + elems
+    if eqn.primitive is _prims.dynamic_slice_p and not by_data:
+        # A loop indexing stacked layers (w[i]) keeps the weight.
+        return [Value(weight=(leaf, axes))]
+    # Looked-up rows are whole (a vocabulary-split table is all-reduced), whatever
+    # computed the indices: in a generation loop they are the argmax of the head's
+    # logits, and passing the head's taint on would flip every layer after it.
+    return [Value(data=True)]
+
+
+def _slice_leading(s: Value) -> Value:
+    weight = None if s.weight is None else (s.weight[0], s.weight[1][1:])
+    feat = None if s.feat is None else (s.feat[0], s.feat[1][1:])
+    return Value(weight=weight, taint=s.taint, data=s.data, feat=feat)
+
+
+def _stack_leading(s: Value) -> Value:
+    weight = None if s.weight is None else (s.weight[0], (None, *s.weight[1]))
+    feat = None if s.feat is None else (s.feat[0], (None, *s.feat[1]))
+    return Value(weight=weight, taint=s.taint, data=s.data, feat=feat)
+
+
+def scan(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
+    """`lax.scan`: the body sees one slice of each `xs`; carries iterate to a fixed point."""
+    params = eqn.params
+    nconst, ncarry = params["num_consts"], params["num_carry"]
+    consts, carry, xs = ins[:nconst], ins[nconst : nconst + ncarry], ins[nconst + ncarry :]
+    outs = walk.fixed_point(params["jaxpr"], consts, carry, [_slice_leading(s) for s in xs])
+    return outs[:ncarry] + [_stack_leading(s) for s in outs[ncarry:]]
+
+
+def while_loop(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
+    """`lax.while_loop`: the body's carries iterate to a fixed point."""
+    params = eqn.params
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    body_consts, carry = ins[nc : nc + nb], ins[nc + nb :]
+    return walk.fixed_point(params["body_jaxpr"], body_consts, carry, [])
+
+
+def cond(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
+    """`lax.cond` / `switch`: every branch is followed and their results joined."""
+    outs: list[Value] | None = None
+    for branch in eqn.params["branches"]:
+        res = walk.sub(branch, ins[1:])
+        outs = res if outs is None else [_join(a, b) for a, b in zip(outs, res, strict=True)]
+    return outs or [EMPTY] * len(eqn.outvars)
+
+
+def call(param: str) -> Rule:
+    """A rule for primitives that call a sub-jaxpr held in `param` on their operands."""
+
+    def rule(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
+        sub = eqn.params.get(param)
+        inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+        if (
+            isinstance(inner, jcore.Jaxpr)
+            and len(inner.invars) == len(ins)
+            and len(inner.outvars) == len(eqn.outvars)
+        ):
+            return walk.sub(sub, ins)
+        walk.flow.opaque.add(eqn.primitive.name)
+        return elementwise(walk, eqn, ins)
+
+    return rule
+
+
+RULES: dict[Any, Rule] = {
+    _prims.dot_general_p: dot_general,
+    _prims.conv_general_dilated_p: conv_general_dilated,
+    _prims.gather_p: lookup,
+    _prims.dynamic_slice_p: lookup,
+    _prims.scan_p: scan,
+    _prims.while_p: while_loop,
+    _prims.cond_p: cond,
+    _prims.jit_p: call("jaxpr"),
+    _prims.closed_call_p: call("call_jaxpr"),
+    _prims.remat_p: call("jaxpr"),
+    _prims.custom_jvp_call_p: call("call_jaxpr"),
+    _prims.custom_vjp_call_p: call("call_jaxpr"),
+}
+
+
+def trace_dataflow(example_call: Callable[[Any], Any], model: Any) -> Dataflow:
+    """Trace `example_call(model)` on abstract shapes and follow how weights feed matmuls.
+
+    Args:
+        example_call: `model -> outputs`, e.g. `lambda m: jax.vmap(m)(x)`.
+        model: the model; its array leaves (in `eqx.filter(model, eqx.is_array)` order)
+            are the leaves the result's indices refer to.
+
+    Returns:
+        A `Dataflow`.
+
+    Raises:
+        ValueError: when `example_call` fails while being traced.
+
+    Example:
+        >>> flow = trace_dataflow(lambda m: jax.vmap(m)(x), model)
+        >>> flow.order   # the matmul weights, in the order the data meets them
+    """
+    arrays, static = eqx.partition(model, eqx.is_array)
+    leaves, treedef = jax.tree_util.tree_flatten(arrays)
+
+    def run(*flat: Any) -> Any:
+        return example_call(eqx.combine(jax.tree_util.tree_unflatten(treedef, list(flat)), static))
+
+    abstract = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+    try:
+        closed = jax.make_jaxpr(run)(*abstract)
+    except Exception as err:
+        raise ValueError(
+            f"example_call raised {type(err).__name__} while being traced: {err}\n"
+            "example_call must run the model on an example input, e.g. "
+            "`example_call=lambda m: jax.vmap(m)(x)` or `lambda m: loss_fn(m, batch, key)`."
+        ) from err
+    walk = _Walk()
+    jaxpr = closed.jaxpr
+    ins = [Value(weight=(i, tuple(range(len(leaf.shape))))) for i, leaf in enumerate(leaves)]
+    outs = walk.jaxpr(jaxpr, ins, [DATA] * len(jaxpr.constvars))
+    flow = walk.flow
+    for state in outs:
+        flow.reaching |= state.taint
+    flow.gates = {leaf for leaf in flow.gated if leaf not in flow.reaching}
+    return flow
