@@ -71,6 +71,10 @@ def test_run_mistakes_are_one_line_errors(tmp_path) -> None:
             ["run", "language_modeling", "--n-model-shards", "3"],
             "n_model_shards=3 does not divide the 8 available devices",
         ),
+        (
+            ["run", "language_modeling", "--n-model-shards", "3"],
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8",
+        ),
     ]:
         result = CliRunner().invoke(main, args)
         assert result.exit_code != 0
