@@ -23,6 +23,7 @@ Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_com
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -121,6 +122,21 @@ ARCHS: dict[str, tuple[Callable[[], eqx.Module], tuple[dict[str, P], ...]]] = {
 MODELS.update({name: make for name, (make, _) in ARCHS.items()})
 
 
+def gpt2_50257(vocab_multiple: int) -> eqx.Module:
+    config = rc.models.GPT2Config(vocab_size=50257, n_positions=64, n_embd=256, n_layer=4, n_head=8)
+    return rc.models.GPT2(dataclasses.replace(config, vocab_multiple=vocab_multiple), key=KEY)
+
+
+# GPT-2's real vocabulary divides no shard count: as is, and padded to a multiple of
+# 512 (= 128 x 4 shards, Megatron-LM's make-vocab-size-divisible-by); both against
+# Megatron's layout of the padded model.
+PADDED = {
+    "zoo gpt2 vocab 50257": lambda: gpt2_50257(1),
+    "zoo gpt2 vocab 50257 padded": lambda: gpt2_50257(512),
+}
+MODELS.update(PADDED)
+
+
 def batch_for(name: str) -> object:
     key = jax.random.key(1)
     if name in ("deep mlp", "raw-array mlp (einsum)"):
@@ -149,6 +165,8 @@ def naive_specs(model: eqx.Module, n: int) -> object:
 
 def hand_layout(name: str, model: eqx.Module, n: int, x: object) -> object:
     """Megatron-LM's layout for the decoders; the cheapest hand layout otherwise."""
+    if name in PADDED:
+        return megatron_specs(PADDED["zoo gpt2 vocab 50257 padded"](), n)
     if name not in ARCHS:
         return megatron_specs(model, n)
     layouts = [arch.layout(model, table) for table in ARCHS[name][1]]
@@ -214,9 +232,16 @@ def main() -> None:
         x = batch_for(name)
         for n in args.shards:
             # Beyond the zoo only ours and the hand layout are compiled (time).
-            chosen_layouts = ("ours", "megatron") if name in ARCHS else tuple(layouts)
+            chosen_layouts = ("ours", "megatron") if name in {**ARCHS, **PADDED} else layouts
             result = {
-                name_: measure(model, layouts[name_](name, model, n, x), n, x)
+                name_: measure(
+                    PADDED["zoo gpt2 vocab 50257 padded"]()
+                    if name in PADDED and name_ == "megatron"
+                    else model,
+                    layouts[name_](name, model, n, x),
+                    n,
+                    x,
+                )
                 for name_ in chosen_layouts
             }
             nan = {"model_bytes": float("nan")}

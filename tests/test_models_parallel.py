@@ -6,7 +6,9 @@ need no transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 from pathlib import Path
 
 import equinox as eqx
@@ -124,6 +126,35 @@ def test_rules_traced_through_generate_give_the_same_layout() -> None:
         model, 4, example_call=lambda m: rc.models.generate(m, IDS[:, :8], max_new_tokens=4)
     )
     assert layout(model, by_generate) == layout(model, by_forward)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_vocabulary_that_divides_nothing_is_padded_split_masked_and_saved_whole(
+    arch: str, tmp_path: Path
+) -> None:
+    config = dataclasses.replace(CONFIGS[arch], vocab_size=101)
+    whole = rc.models.ARCHITECTURES[arch](config, key=jax.random.key(0))
+    # Unpadded, 101 rows divide no shard count: the table is not split on the hidden
+    # dimension (that would all-reduce every logit); the plan says how to fix it.
+    plan = rc.sharding_plan(whole, 4, example_call=lambda m: jax.vmap(m)(IDS % 101))
+    assert layout(whole, plan.specs)["embed_tokens.weight"] != (None, "model")
+    assert "pad the vocabulary to a multiple of 512" in str(plan)
+    padded = rc.models.ARCHITECTURES[arch](
+        dataclasses.replace(config, vocab_multiple=128 * 4), key=jax.random.key(0)
+    )
+    assert padded.embed_tokens.weight.shape[0] == 512
+    plan = rc.sharding_plan(padded, 4, example_call=lambda m: jax.vmap(m)(IDS % 101))
+    assert layout(padded, plan.specs)["embed_tokens.weight"] == ("model", None)
+    logits = jax.vmap(padded)(IDS % 101)
+    assert logits.shape[-1] == 512
+    assert bool(jnp.all(logits[..., 101:] == jnp.finfo(logits.dtype).min))
+    # to_hf writes the original vocabulary, which loads back unpadded with equal logits.
+    padded.to_hf(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == 101
+    assert "vocab_multiple" not in (tmp_path / "config.json").read_text()
+    loaded = type(padded).from_hf(tmp_path)
+    assert loaded.embed_tokens.weight.shape[0] == 101
+    np.testing.assert_allclose(jax.vmap(loaded)(IDS % 101), logits[..., :101], rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- numerics

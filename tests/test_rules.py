@@ -126,6 +126,43 @@ def test_swiglu_experts_in_another_spelling_are_consistent() -> None:
     assert specs["router.weight"] == (None, None)
 
 
+class SwitchExperts(eqx.Module):
+    """Top-1 routing with a capacity (Switch Transformer): tokens are dispatched into
+    `(experts, capacity, d)` slots by einsum and combined back by the router's weight."""
+
+    router: eqx.nn.Linear
+    w_in: Array
+    w_out: Array
+
+    def __init__(self, key: PRNGKeyArray, d: int = 16, f: int = 32, e: int = 4):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.router = eqx.nn.Linear(d, e, use_bias=False, key=k1)
+        self.w_in = jax.random.normal(k2, (e, d, f)) / 4
+        self.w_out = jax.random.normal(k3, (e, f, d)) / 6
+
+    def __call__(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
+        experts, capacity = self.w_in.shape[0], 4
+        probs = jax.nn.softmax(jax.vmap(self.router)(x), axis=-1)
+        onehot = jax.nn.one_hot(jnp.argmax(probs, -1), experts)
+        slot = ((jnp.cumsum(onehot, 0) - 1) * onehot).sum(-1).astype(jnp.int32)
+        dispatch = onehot[:, :, None] * jax.nn.one_hot(slot, capacity)[:, None, :]
+        combine = probs.max(-1)[:, None, None] * dispatch
+        slots = jnp.einsum("tec,td->ecd", dispatch, x)
+        h = jax.nn.relu(jnp.einsum("ecd,edf->ecf", slots, self.w_in))
+        y = jnp.einsum("ecf,efd->ecd", h, self.w_out)
+        return x + jnp.einsum("tec,ecd->td", combine, y)
+
+
+def test_switch_experts_with_capacity_are_expert_parallel() -> None:
+    model = SwitchExperts(KEY)
+    specs = by_path(model, plan(model, jnp.ones((8, 6, 16)), 4).specs)
+    assert specs == {
+        "router.weight": (None, None),
+        "w_in": ("model", None, None),
+        "w_out": ("model", None, None),
+    }
+
+
 def test_a_small_head_that_does_not_divide_is_replicated_by_cost() -> None:
     make, x, hand = ARCHS["vit"]
     model = make()

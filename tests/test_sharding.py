@@ -338,6 +338,8 @@ def test_example_call_that_raises_is_a_clear_error() -> None:
 
 
 def test_shapes_are_checked_at_the_model_boundary() -> None:
-    model = MODELS["gpt"]()
+    # The package's models are checked (jaxtyping + beartype over `redcoast`).
+    config = rc.models.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4)
+    model = rc.models.GPT2(config, key=jax.random.key(0))
     with pytest.raises(Exception, match=r"(?i)type-check|shape|dimension"):
         model(jnp.zeros((2, SEQ), jnp.int32))  # a batch where one sequence is expected

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["RULES", "Dataflow", "Use", "Value", "trace_dataflow"]
+__all__ = ["NO_USE", "RULES", "Dataflow", "Use", "Value", "trace_dataflow"]
 
 _prims = jcore.primitives
 
@@ -106,6 +106,9 @@ class Dataflow:
         added to (or multiplied into) a matmul's output: they split with it.
     conflicts: leaves used in matmuls of different orientation.
     opaque: primitives carrying sub-jaxprs whose insides were not followed.
+    gated: matmuls seen passing through a gate somewhere (`gates` is those of them
+        whose outputs never reach a matmul's input or the result otherwise).
+    reaching: matmuls whose outputs reach some matmul's input or the result.
     """
 
     uses: dict[int, Use] = dataclasses.field(default_factory=dict)
@@ -423,7 +426,7 @@ def dot_general(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     return [Value(taint=frozenset({leaf}), data=x.data, feat=(leaf, tuple(out)))]
 
 
-_NO_USE = Use((), (), (), set(), 0)
+NO_USE = Use((), (), (), set(), 0)  # what an array no matmul uses would have
 
 
 def _activation_dot(walk: _Walk, lhs: Value, rhs: Value, contract: tuple) -> Value:
@@ -443,7 +446,7 @@ def _activation_dot(walk: _Walk, lhs: Value, rhs: Value, contract: tuple) -> Val
         feature = use is not None and any(axes[d] in use.out_axes for d in ac)
         b_feature = b.feat is not None and any(
             b.feat[1][d] is not None
-            and b.feat[1][d] in walk.flow.uses.get(b.feat[0], _NO_USE).out_axes
+            and b.feat[1][d] in walk.flow.uses.get(b.feat[0], NO_USE).out_axes
             for d in bc
         )
         if feature and not b_feature:

@@ -12,9 +12,19 @@ The rules (Equinox stores `eqx.nn.Linear.weight` as `(out, in)`):
 
 Rule 1 is rule 2 applied to attention (Q, K and V read the same input; O reads
 what they produced), plus the constraint that a split never cuts a head. The
-dataflow comes from `jax.make_jaxpr(example_call)` on abstract shapes: no FLOPs
-are spent and nothing is materialised. Without `example_call` the rules fall
-back to the order in which Linear layers are declared.
+dataflow comes from `jax.make_jaxpr(example_call)` on abstract shapes (no FLOPs
+are spent and nothing is materialised), read by the interpreter in `_dataflow.py`.
+Without `example_call` the rules fall back to the order in which Linear layers
+are declared.
+
+And beyond the two rules: a matmul whose output only gates, scales or selects (a
+router, an adaLN modulation) is replicated and never makes a later input split;
+overrides are fixed before the rules run, so what reads an overridden weight
+follows from it; stacked experts take one expert axis per mixture, expert-
+parallel or Megatron within experts, by estimated cost; a size that does not
+divide falls back to the other dimension only when that moves fewer bytes than
+replication keeps; vectors added to a matmul's output split with it. Every
+fallback, default or guess is listed as a note at the end of the plan.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._dataflow import Dataflow, Use, trace_dataflow
+from ._dataflow import NO_USE, Dataflow, Use, trace_dataflow
 from .mesh import MODEL
 
 __all__ = [
@@ -448,7 +458,7 @@ def _expert_groups(
         e_out = _expert_axis(use)
         if e_out is None or out_leaf in fixed:
             continue
-        ins = [t for t in sorted(use.taint) if _expert_axis(flow.uses.get(t, _NO_USE)) is not None]
+        ins = [t for t in sorted(use.taint) if _expert_axis(flow.uses.get(t, NO_USE)) is not None]
         ins = [t for t in ins if t in decided and t not in fixed]
         if not ins:
             continue
@@ -472,9 +482,6 @@ def _expert_groups(
                 decided[g] = dataclasses.replace(
                     d, reason=d.reason + f"; Megatron within experts, as {paths[out_leaf]}"
                 )
-
-
-_NO_USE = Use((), (), (), set(), 0)
 
 
 def _plan_dataflow(

@@ -84,6 +84,7 @@ class AbstractCausalLM(eqx.Module):
     blocks: eqx.AbstractVar[Blocks]
     norm: eqx.AbstractVar[Norm]
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
+    config: eqx.AbstractVar[Any]
 
     config_class: ClassVar[type[hf.HFConfig]]
     # OPT's position table starts at row 2 (rows 0 and 1 are a fairseq leftover).
@@ -218,8 +219,16 @@ class AbstractCausalLM(eqx.Module):
     def _logits(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
         h = jax.vmap(self.norm)(x)
         if self.lm_head is None:
-            return h @ self.embed_tokens.weight.T
-        return jax.vmap(self.lm_head)(h)
+            logits = h @ self.embed_tokens.weight.T
+        else:
+            logits = jax.vmap(self.lm_head)(h)
+        vocab = self.config.vocab_size
+        if logits.shape[-1] == vocab:
+            return logits
+        # Rows padded for an even split (config.vocab_multiple) are never predicted;
+        # the mask keeps the logits split on the vocabulary, where a slice would not.
+        real = jnp.arange(logits.shape[-1]) < vocab
+        return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
 
     def _blocks(
         self,

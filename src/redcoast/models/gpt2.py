@@ -95,7 +95,7 @@ class GPT2(AbstractCausalLM):
             )
 
         self.config = config
-        self.embed_tokens = eqx.nn.Embedding(c.vocab_size, c.n_embd, key=kt)
+        self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt)
         self.embed_positions = eqx.nn.Embedding(c.n_positions, c.n_embd, key=kp)
         self.blocks = make_blocks(block, c.n_layer, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.LayerNorm(c.n_embd, eps=eps)
@@ -106,7 +106,7 @@ class GPT2(AbstractCausalLM):
         """GPT-2's checkpoint names; its Linears are `Conv1D`s stored `(in, out)`."""
         h = "transformer.h.{i}."
         return [
-            hf.same("transformer.wte.weight", "embed_tokens.weight"),
+            hf.vocab_rows("transformer.wte.weight", "embed_tokens.weight", config),
             hf.same("transformer.wpe.weight", "embed_positions.weight"),
             hf.same(h + "ln_1.weight", "attn_norm.weight"),
             hf.same(h + "ln_1.bias", "attn_norm.bias"),

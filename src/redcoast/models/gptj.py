@@ -99,18 +99,18 @@ class GPTJ(AbstractCausalLM):
             )
 
         self.config = config
-        self.embed_tokens = eqx.nn.Embedding(c.vocab_size, c.n_embd, key=kt)
+        self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt)
         self.embed_positions = None
         self.blocks = make_blocks(block, c.n_layer, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.LayerNorm(c.n_embd, eps=eps)
-        self.lm_head = eqx.nn.Linear(c.n_embd, c.vocab_size, key=kh)
+        self.lm_head = eqx.nn.Linear(c.n_embd, c.padded_vocab_size, key=kh)
 
     @classmethod
     def hf_tensors(cls, config: GPTJConfig) -> list[hf.TensorMap]:
         """GPT-J's checkpoint names; PyTorch Linears are `(out, in)` like Equinox's."""
         h = "transformer.h.{i}."
         return [
-            hf.same("transformer.wte.weight", "embed_tokens.weight"),
+            hf.vocab_rows("transformer.wte.weight", "embed_tokens.weight", config),
             hf.same(h + "ln_1.weight", "attn_norm.weight"),
             hf.same(h + "ln_1.bias", "attn_norm.bias"),
             hf.same(h + "attn.q_proj.weight", "attn.q_proj.weight"),
@@ -123,6 +123,6 @@ class GPTJ(AbstractCausalLM):
             hf.same(h + "mlp.fc_out.bias", "mlp.fc_out.bias"),
             hf.same("transformer.ln_f.weight", "norm.weight"),
             hf.same("transformer.ln_f.bias", "norm.bias"),
-            hf.same("lm_head.weight", "lm_head.weight"),
-            hf.same("lm_head.bias", "lm_head.bias"),
+            hf.vocab_rows("lm_head.weight", "lm_head.weight", config),
+            hf.vocab_rows("lm_head.bias", "lm_head.bias", config),
         ]

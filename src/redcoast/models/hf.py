@@ -66,6 +66,18 @@ class HFConfig:
     model_type: ClassVar[str] = ""
     architecture: ClassVar[str] = ""
     extra: tuple[tuple[str, str], ...] = ()
+    # Not in config.json: the token table and head get rows up to a multiple of this
+    # (Megatron-LM's make-vocab-size-divisible-by, 128 x model shards) so that the
+    # vocabulary splits evenly; the padded logits are masked and `to_hf` drops the rows.
+    vocab_multiple: int = 1
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """`vocab_size` rounded up to a multiple of `vocab_multiple`."""
+        vocab = int(getattr(self, "vocab_size"))  # noqa: B009 (each zoo config defines it)
+        if self.vocab_multiple < 1:
+            raise ValueError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}.")
+        return -(-vocab // self.vocab_multiple) * self.vocab_multiple
 
     @classmethod
     def from_dict(cls: type[_Config], values: Mapping[str, Any]) -> _Config:
@@ -86,7 +98,7 @@ class HFConfig:
             12
         """
         values = cls._normalise(dict(values))
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "vocab_multiple"}
         known = {k: v for k, v in values.items() if k in names}
         extra = tuple(
             sorted(
@@ -106,7 +118,7 @@ class HFConfig:
         """The `config.json` object `transformers` reads back into the same model."""
         out: dict[str, Any] = {k: json.loads(v) for k, v in self.extra}
         for f in dataclasses.fields(self):
-            if f.name != "extra":
+            if f.name not in ("extra", "vocab_multiple"):
                 out[f.name] = getattr(self, f.name)
         out["model_type"] = self.model_type
         out["architectures"] = [self.architecture]
@@ -203,6 +215,22 @@ def _transpose_back(xs: tuple[np.ndarray, ...]) -> np.ndarray:
 def conv1d(hf: str, ours: str) -> TensorMap:
     """GPT-2's `Conv1D` weight, stored `(in, out)`: transposed to Equinox's `(out, in)`."""
     return TensorMap(hf, (ours,), _transpose, _transpose_back)
+
+
+def vocab_rows(hf: str, ours: str, config: HFConfig) -> TensorMap:
+    """A tensor with a row per token: padded with zero rows up to the config's
+    `padded_vocab_size` on loading, written back with `vocab_size` rows."""
+    vocab, padded = int(getattr(config, "vocab_size")), config.padded_vocab_size  # noqa: B009
+
+    def pad(x: np.ndarray) -> tuple[np.ndarray, ...]:
+        if x.shape[0] != vocab:
+            raise ValueError(f"expected {vocab} rows (vocab_size), got {x.shape[0]}")
+        return (np.concatenate([x, np.zeros((padded - vocab, *x.shape[1:]), x.dtype)]),)
+
+    def unpad(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+        return xs[0][:vocab]
+
+    return TensorMap(hf, (ours,), pad, unpad)
 
 
 def _split3_weight(x: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -129,14 +129,14 @@ class Llama(AbstractCausalLM):
             )
 
         self.config = config
-        self.embed_tokens = eqx.nn.Embedding(c.vocab_size, c.hidden_size, key=kt)
+        self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
         self.embed_positions = None
         self.blocks = make_blocks(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps, use_bias=False)
         self.lm_head = (
             None
             if c.tie_word_embeddings
-            else eqx.nn.Linear(c.hidden_size, c.vocab_size, use_bias=False, key=kh)
+            else eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
         )
 
     @classmethod
@@ -144,7 +144,7 @@ class Llama(AbstractCausalLM):
         """LLaMA's checkpoint names; PyTorch Linears are `(out, in)` like Equinox's."""
         h = "model.layers.{i}."
         maps = [
-            hf.same("model.embed_tokens.weight", "embed_tokens.weight"),
+            hf.vocab_rows("model.embed_tokens.weight", "embed_tokens.weight", config),
             hf.same(h + "input_layernorm.weight", "attn_norm.weight"),
             hf.same(h + "post_attention_layernorm.weight", "mlp_norm.weight"),
             hf.same("model.norm.weight", "norm.weight"),
@@ -156,5 +156,5 @@ class Llama(AbstractCausalLM):
             for kind in ("weight", "bias") if has_bias else ("weight",):
                 maps.append(hf.same(f"{h}{theirs}.{name}.{kind}", f"{ours}.{name}.{kind}"))
         if not config.tie_word_embeddings:
-            maps.append(hf.same("lm_head.weight", "lm_head.weight"))
+            maps.append(hf.vocab_rows("lm_head.weight", "lm_head.weight", config))
         return maps

@@ -104,7 +104,7 @@ class OPT(AbstractCausalLM):
             )
 
         self.config = config
-        self.embed_tokens = eqx.nn.Embedding(c.vocab_size, c.hidden_size, key=kt)
+        self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
         self.embed_positions = eqx.nn.Embedding(
             c.max_position_embeddings + self.position_offset, c.hidden_size, key=kp
         )
@@ -113,7 +113,7 @@ class OPT(AbstractCausalLM):
         self.lm_head = (
             None
             if c.tie_word_embeddings
-            else eqx.nn.Linear(c.hidden_size, c.vocab_size, use_bias=False, key=kh)
+            else eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
         )
 
     @classmethod
@@ -123,7 +123,7 @@ class OPT(AbstractCausalLM):
         h = d + "layers.{i}."
         kinds = ("weight", "bias") if config.enable_bias else ("weight",)
         maps = [
-            hf.same(d + "embed_tokens.weight", "embed_tokens.weight"),
+            hf.vocab_rows(d + "embed_tokens.weight", "embed_tokens.weight", config),
             hf.same(d + "embed_positions.weight", "embed_positions.weight"),
             hf.same(d + "final_layer_norm.weight", "norm.weight"),
             hf.same(d + "final_layer_norm.bias", "norm.bias"),
@@ -141,5 +141,5 @@ class OPT(AbstractCausalLM):
         ]:
             maps.extend(hf.same(f"{h}{theirs}.{kind}", f"{ours}.{kind}") for kind in kinds)
         if not config.tie_word_embeddings:
-            maps.append(hf.same("lm_head.weight", "lm_head.weight"))
+            maps.append(hf.vocab_rows("lm_head.weight", "lm_head.weight", config))
         return maps
