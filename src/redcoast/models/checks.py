@@ -54,10 +54,10 @@ def check_range(
 
     Raises:
         ValueError: a Python int out of range.
-        EquinoxRuntimeError: when the computation runs (under `eqx.filter_jit` or
-            eagerly, on one device), an array value out of range.
-        JaxRuntimeError: the same, under `jax.jit` or in a program over several
-            devices; the message is the same.
+        RuntimeError: when the computation runs, an array value out of range:
+            `eqx.EquinoxRuntimeError` under `eqx.filter_jit` or eagerly on one device,
+            `jax.errors.JaxRuntimeError` under `jax.jit` or on several devices; the
+            message is the same.
 
     Example:
         >>> ids = check_range(ids, 0, 50, "input_ids (token ids)", "check the tokenizer.")
