@@ -34,7 +34,7 @@ from redcoast.models import (
 VOCAB = 50
 POSITIONS = 16
 # Raised under eqx.filter_jit and eagerly; jax.jit reports the same text in a JaxRuntimeError.
-RUNTIME = (eqx.EquinoxRuntimeError, jax.errors.JaxRuntimeError)
+RUNTIME = (eqx.EquinoxRuntimeError, jax.errors.JaxRuntimeError)  # both RuntimeErrors
 CONFIGS = {
     "gpt2": (
         GPT2,

@@ -126,8 +126,8 @@ class AbstractCausalLM(eqx.Module):
 
         Raises:
             ValueError: the sequence is longer than the position table (GPT-2, OPT).
-            EquinoxRuntimeError: (when the computation runs) a token id is outside
-                `[0, vocab_size)`.
+            RuntimeError: when the computation runs, a token id is outside
+                `[0, vocab_size)` (see `checks.check_range`).
         """
         del key
         seq = input_ids.shape[0]
@@ -161,9 +161,9 @@ class AbstractCausalLM(eqx.Module):
         Raises:
             ValueError: `index` (an int) or the sequence runs past the position table
                 or the cache.
-            EquinoxRuntimeError: (when the computation runs) a token id is outside
+            RuntimeError: when the computation runs, a token id is outside
                 `[0, vocab_size)`, or a traced `index` runs past the position table
-                or the cache.
+                or the cache (see `checks.check_range`).
 
         Example:
             >>> cache = model.init_cache(max_len=32)

@@ -15,6 +15,7 @@ raising on all of them at once (a callback under `shard_map`) leaves no device
 waiting.
 """
 
+import os
 from typing import Any, overload
 
 import equinox as eqx
@@ -53,10 +54,10 @@ def check_range(
 
     Raises:
         ValueError: a Python int out of range.
-        EquinoxRuntimeError: when the computation runs (under `eqx.filter_jit` or
-            eagerly, on one device), an array value out of range.
-        JaxRuntimeError: the same, under `jax.jit` or in a program over several
-            devices; the message is the same.
+        RuntimeError: when the computation runs, an array value out of range:
+            `eqx.EquinoxRuntimeError` under `eqx.filter_jit` or eagerly on one device,
+            `jax.errors.JaxRuntimeError` under `jax.jit` or on several devices; the
+            message is the same.
 
     Example:
         >>> ids = check_range(ids, 0, 50, "input_ids (token ids)", "check the tokenizer.")
@@ -72,6 +73,8 @@ def check_range(
     mesh = getattr(jax.typeof(x).sharding, "mesh", None)
     if mesh is None or mesh.empty or mesh.size == 1:
         return eqx.error_if(x, bad, msg)
+    if os.environ.get("EQX_ON_ERROR") == "off":  # as eqx.error_if does
+        return x
     return _error_if_on_every_device(x, bad, msg, mesh)
 
 
@@ -84,7 +87,13 @@ def _error_if_on_every_device(
         return np.zeros((), np.bool_)
 
     def on_each_device(pred: Array) -> Array:
-        return jax.pure_callback(raise_if, jax.ShapeDtypeStruct((), jnp.bool_), pred)
+        # The host is called only on failure: a callback per step would sync each step.
+        return jax.lax.cond(
+            pred,
+            lambda p: jax.pure_callback(raise_if, jax.ShapeDtypeStruct((), jnp.bool_), p),
+            lambda p: jnp.zeros((), jnp.bool_),
+            pred,
+        )
 
     # Any batch element (vmap) on any device (the reduction makes it replicated).
     pred = eqx.internal.unvmap_any(jnp.any(bad))

@@ -155,9 +155,9 @@ def generate(
     Raises:
         ValueError: a bad setting, prompt_lengths outside `[1, prompt_len]`, or the
             prompt plus `max_new_tokens` longer than the model's position table.
-        EquinoxRuntimeError: (when the computation runs, inside `jit`) traced
+        RuntimeError: (when the computation runs; see `checks.check_range`) traced
             prompt_lengths outside `[1, prompt_len]`, or a prompt token id outside
-            `[0, vocab_size)`. Raised as `jax.errors.JaxRuntimeError` under `jax.jit`.
+            `[0, vocab_size)`.
 
     Example:
         >>> prompts = jnp.array([[5, 6, 7, 0], [8, 9, 10, 11]])

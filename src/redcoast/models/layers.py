@@ -209,8 +209,8 @@ class Attention(eqx.Module):
 
         Raises:
             ValueError: an int `index` leaves no room for `x` in the cache.
-            EquinoxRuntimeError: (when the computation runs) an array `index` leaves
-                no room for `x` in the cache.
+            RuntimeError: when the computation runs, an array `index` leaves no
+                room for `x` in the cache (see `checks.check_range`).
         """
         seq = x.shape[0]
         # dynamic_update_slice clamps the start: a write past the end would silently
