@@ -472,7 +472,9 @@ def test_launch_asks_processes_to_stop_and_they_save_a_checkpoint(tmp_path: Path
     err = (tmp_path / "stderr.txt").read_text()
     assert launcher.returncode == 128 + signal.SIGTERM, out[-2000:] + err
     assert "got SIGTERM; stopping all 2 processes" in err
-    assert re.search(r"\[0\] redcoast: stopped after step \d+ \(SIGTERM received\)", out), out[-2000:]
+    assert re.search(r"\[0\] redcoast: stopped after step \d+ \(SIGTERM received\)", out), out[
+        -2000:
+    ]
     saved = sorted((tmp_path / "run" / "ckpts").glob("step_*"))
     assert len(saved) == 1 and (saved[0] / "state.json").is_file()
     assert "killing" not in err  # they finished within the grace period

@@ -155,6 +155,12 @@ def test_a_vocabulary_that_divides_nothing_is_padded_split_masked_and_saved_whol
     loaded = type(padded).from_hf(tmp_path)
     assert loaded.embed_tokens.weight.shape[0] == 101
     np.testing.assert_allclose(jax.vmap(loaded)(IDS % 101), logits[..., :101], rtol=1e-5, atol=1e-5)
+    # Asked to, from_hf pads again; the padding rows are not valid token ids.
+    repadded = type(padded).from_hf(tmp_path, vocab_multiple=128 * 4)
+    assert repadded.embed_tokens.weight.shape[0] == 512 and repadded.vocab_size == 101
+    np.testing.assert_allclose(jax.vmap(repadded)(IDS % 101), logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises((eqx.EquinoxRuntimeError, jax.errors.JaxRuntimeError), match=r"\[0, 101\)"):
+        jax.block_until_ready(repadded(jnp.array([101])))
 
 
 # ----------------------------------------------------------------------------- numerics

@@ -26,6 +26,7 @@ def from_hf(
     specs: PyTree | None = None,
     dtype: DTypeLike | None = None,
     scan_layers: bool = False,
+    vocab_multiple: int = 1,
 ) -> AbstractCausalLM:
     """Load a `transformers` `save_pretrained` folder as a `GPT2`, `Llama`, `OPT` or `GPTJ`.
 
@@ -35,6 +36,8 @@ def from_hf(
         specs: the `PartitionSpec` tree; derived with the sharding rules when omitted.
         dtype: cast floating arrays to this dtype (e.g. `jnp.bfloat16`); default: as stored.
         scan_layers: stack the layers and run them with `lax.scan`.
+        vocab_multiple: pad the vocabulary to a multiple of this (`128 * n_model_shards`
+            splits it evenly, as Megatron-LM does); see `AbstractCausalLM.from_hf`.
 
     Returns:
         The model, of the class config.json's `model_type` names.
@@ -55,5 +58,10 @@ def from_hf(
             f"implement; supported model_type values: {sorted(ARCHITECTURES)}."
         )
     return ARCHITECTURES[model_type].from_hf(
-        folder, mesh=mesh, specs=specs, dtype=dtype, scan_layers=scan_layers
+        folder,
+        mesh=mesh,
+        specs=specs,
+        dtype=dtype,
+        scan_layers=scan_layers,
+        vocab_multiple=vocab_multiple,
     )

@@ -108,8 +108,11 @@ class AbstractCausalLM(eqx.Module):
 
     @property
     def vocab_size(self) -> int:
-        """How many token ids the model knows: valid ids are `[0, vocab_size)`."""
-        return self.embed_tokens.num_embeddings
+        """How many token ids the model knows: valid ids are `[0, vocab_size)`.
+
+        Rows padded for an even split (`config.vocab_multiple`) are not among them.
+        """
+        return int(self.config.vocab_size)
 
     def __call__(
         self, input_ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
@@ -269,6 +272,7 @@ class AbstractCausalLM(eqx.Module):
         specs: PyTree | None = None,
         dtype: DTypeLike | None = None,
         scan_layers: bool = False,
+        vocab_multiple: int = 1,
     ) -> _Model:
         """Load a `transformers` `save_pretrained` folder (config.json + safetensors).
 
@@ -286,6 +290,10 @@ class AbstractCausalLM(eqx.Module):
                 sharding rules derive them from an abstract trace.
             dtype: cast floating arrays to this dtype; default: as stored.
             scan_layers: stack the layers' arrays and run them with `lax.scan`.
+            vocab_multiple: pad the token table and head with rows up to a multiple of
+                this (Megatron-LM's `128 * n_model_shards`), so the vocabulary splits
+                evenly over the model axis; the padded logits are masked and `to_hf`
+                writes the original rows.
 
         Returns:
             The model.
@@ -298,7 +306,15 @@ class AbstractCausalLM(eqx.Module):
         Example:
             >>> model = rc.models.Llama.from_hf("tiny-llama", mesh=rc.make_mesh(2))
         """
-        return hf.load(cls, path, mesh=mesh, specs=specs, dtype=dtype, scan_layers=scan_layers)
+        return hf.load(
+            cls,
+            path,
+            mesh=mesh,
+            specs=specs,
+            dtype=dtype,
+            scan_layers=scan_layers,
+            vocab_multiple=vocab_multiple,
+        )
 
     def to_hf(self, path: str | Path) -> None:
         """Write `config.json` and `model.safetensors` that `transformers` loads.
