@@ -114,6 +114,58 @@ def _generate(
     return jnp.concatenate([token[:, None], rest.T], axis=1)
 
 
+def _check_settings(
+    max_new_tokens: Any, temperature: Any, key: Any, top_k: Any, top_p: Any
+) -> None:
+    """`generate`'s decoding settings, each with an error that names it."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature)) or (
+        temperature < 0
+    ):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}.")
+    if temperature > 0 and key is None:
+        raise ValueError(
+            f"temperature={temperature} samples the next token and needs key=; pass a "
+            "jax.random.key, or temperature=0 for greedy decoding."
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}.")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
+
+
+def _prompt_lengths(
+    prompt_lengths: Int[ArrayLike, " batch"] | None, batch: int, prompt_len: int
+) -> Int[Array, " batch"]:
+    """Each prompt's length in `[1, prompt_len]`: checked now when known, else when run."""
+    if prompt_lengths is None:
+        return jnp.full((batch,), prompt_len, jnp.int32)
+    lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    if lengths.shape != (batch,):
+        raise ValueError(
+            f"prompt_lengths must have shape ({batch},), one per prompt; got {lengths.shape}."
+        )
+    try:
+        host = np.asarray(lengths)
+    except jax.errors.TracerArrayConversionError:  # inside jit: checked at run time
+        host = None
+    if host is not None and (host.min() < 1 or host.max() > prompt_len):
+        raise ValueError(
+            f"prompt_lengths must be in [1, {prompt_len}] (the padded prompt length); "
+            f"got {host.tolist()}."
+        )
+    return check_range(
+        lengths,
+        1,
+        prompt_len + 1,
+        "prompt_lengths",
+        f"Each prompt has at least 1 and at most {prompt_len} tokens (the padded length).",
+    )
+
+
 def generate(
     model: AbstractCausalLM,
     prompt_ids: Int[ArrayLike, "batch prompt"],
@@ -165,23 +217,7 @@ def generate(
         >>> pred_fn = lambda m, batch, key: generate(
         ...     m, batch["ids"], prompt_lengths=batch["length"], max_new_tokens=8)
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}.")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-    if not (isinstance(temperature, int | float) and math.isfinite(temperature)) or (
-        temperature < 0
-    ):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}.")
-    if temperature > 0 and key is None:
-        raise ValueError(
-            f"temperature={temperature} samples the next token and needs key=; pass a "
-            "jax.random.key, or temperature=0 for greedy decoding."
-        )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}.")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
+    _check_settings(max_new_tokens, temperature, key, top_k, top_p)
     prompt = jnp.asarray(prompt_ids)
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(
@@ -189,7 +225,7 @@ def generate(
             f"{prompt.dtype} of shape {prompt.shape}. For one prompt use ids[None]."
         )
     batch, prompt_len = prompt.shape
-    vocab = model.embed_tokens.num_embeddings
+    vocab = model.vocab_size
     if eos_id is not None and not 0 <= eos_id < vocab:
         raise ValueError(f"eos_id={eos_id} is not a token id of a vocabulary of {vocab}.")
     limit = model.max_positions
@@ -198,30 +234,7 @@ def generate(
             f"the prompt ({prompt_len} tokens) plus max_new_tokens={max_new_tokens} exceed "
             f"the {limit} positions of {type(model).__name__}'s position table."
         )
-    if prompt_lengths is None:
-        lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    else:
-        lengths = jnp.asarray(prompt_lengths, jnp.int32)
-        if lengths.shape != (batch,):
-            raise ValueError(
-                f"prompt_lengths must have shape ({batch},), one per prompt; got {lengths.shape}."
-            )
-        try:
-            host = np.asarray(lengths)
-        except jax.errors.TracerArrayConversionError:  # inside jit: checked at run time
-            host = None
-        if host is not None and (host.min() < 1 or host.max() > prompt_len):
-            raise ValueError(
-                f"prompt_lengths must be in [1, {prompt_len}] (the padded prompt length); "
-                f"got {host.tolist()}."
-            )
-        lengths = check_range(
-            lengths,
-            1,
-            prompt_len + 1,
-            "prompt_lengths",
-            f"Each prompt has at least 1 and at most {prompt_len} tokens (the padded length).",
-        )
+    lengths = _prompt_lengths(prompt_lengths, batch, prompt_len)
     return _generate(
         model,
         prompt,
