@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import jax
@@ -564,6 +564,67 @@ def _signals_stop_children() -> Iterator[None]:
             signal.signal(s, old)
 
 
+def _spawn(
+    command: Sequence[str],
+    rank: int,
+    nprocs: int,
+    devices_per_proc: int,
+    port: int,
+    env: Mapping[str, str],
+) -> subprocess.Popen[bytes]:
+    """Process `rank` of a local job, in a session of its own, its output piped."""
+    child = {
+        **env,
+        ENV_ADDRESS: f"127.0.0.1:{port}",
+        ENV_NPROCS: str(nprocs),
+        ENV_RANK: str(rank),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
+    }
+    return subprocess.Popen(
+        list(command),
+        env=child,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _await_exits(
+    exits: queue.Queue[tuple[int, int]],
+    procs: list[subprocess.Popen[bytes]],
+    timeout: int | float | None,
+    say: Callable[[str], None],
+) -> tuple[int, float]:
+    """Wait for every process until the first failure or the timeout: (exit code, grace).
+
+    After a failure the others are likely blocked in a collective with the dead
+    process: no use waiting. After the timeout they are healthy and may be saving a
+    checkpoint (fit does on SIGTERM): they get time.
+    """
+    nprocs = len(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for _ in range(nprocs):
+        try:
+            rank, code = exits.get(
+                timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+            )
+        except queue.Empty:
+            say(
+                f"timed out after {timeout:g} s; stopping all {nprocs} processes "
+                f"(SIGTERM, then SIGKILL after {_STOP_GRACE_SECONDS:g} s)."
+            )
+            return 124, _STOP_GRACE_SECONDS
+        if code != 0:
+            others = sum(p.poll() is None for p in procs)
+            say(
+                f"process {rank} {_describe(code)} first; stopping the other "
+                f"{others} running process{'es' if others != 1 else ''}."
+            )
+            return code, _FAILURE_GRACE_SECONDS
+    return 0, _FAILURE_GRACE_SECONDS
+
+
 def launch(
     command: Sequence[str],
     *,
@@ -631,56 +692,17 @@ def launch(
     # The watchdog names a dead process to every survivor; `env` may turn it off.
     base = {**os.environ, ENV_WATCHDOG: "1", **(env or {})}
     pumps: list[threading.Thread] = []
-    code = 0
-    # After a failure the others are likely blocked in a collective with the dead
-    # process: no use waiting. After a signal or the timeout they are healthy and
-    # may be saving a checkpoint (fit does on SIGTERM): give them time.
-    grace = _FAILURE_GRACE_SECONDS
+    code, grace = 0, _FAILURE_GRACE_SECONDS
     with _signals_stop_children():
         try:
             for rank in range(nprocs):
-                child = {
-                    **base,
-                    ENV_ADDRESS: f"127.0.0.1:{port}",
-                    ENV_NPROCS: str(nprocs),
-                    ENV_RANK: str(rank),
-                    "JAX_PLATFORMS": "cpu",
-                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
-                }
-                procs.append(
-                    subprocess.Popen(
-                        list(command),
-                        env=child,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
+                procs.append(_spawn(command, rank, nprocs, devices_per_proc, port, base))
                 for target in (pump, watch):
                     pumps.append(
                         threading.Thread(target=target, args=(rank, procs[-1]), daemon=True)
                     )
                     pumps[-1].start()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            for _ in range(nprocs):
-                try:
-                    rank, code = exits.get(
-                        timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
-                    )
-                except queue.Empty:
-                    code, grace = 124, _STOP_GRACE_SECONDS
-                    say(
-                        f"timed out after {timeout:g} s; stopping all {nprocs} processes "
-                        f"(SIGTERM, then SIGKILL after {grace:g} s)."
-                    )
-                    break
-                if code != 0:
-                    others = sum(p.poll() is None for p in procs)
-                    say(
-                        f"process {rank} {_describe(code)} first; stopping the other "
-                        f"{others} running process{'es' if others != 1 else ''}."
-                    )
-                    break
+            code, grace = _await_exits(exits, procs, timeout, say)
         except _Interrupted as stop:
             code, grace = -stop.signum, _STOP_GRACE_SECONDS
             say(
