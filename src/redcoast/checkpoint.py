@@ -33,6 +33,8 @@ That next save also deletes temporary folders of saves that were killed: those
 written from this host by a process that no longer runs, and those of any host
 untouched for `STALE_SECONDS`. Nothing else is ever moved or deleted: a save onto a
 file, or onto a folder that is not a redcoast checkpoint, raises `CheckpointError`.
+This assumes one writer per parent folder at a time (process 0 of one run), as `fit`
+does.
 
 `latest_checkpoint` skips, with a warning naming each folder and the reason,
 `step_*` folders whose `state.json` is missing or unreadable or whose files are
