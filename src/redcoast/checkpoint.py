@@ -56,6 +56,7 @@ import uuid
 import warnings
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,17 @@ def _is_key(leaf: Any) -> bool:
 
 def _host(leaf: Any) -> np.ndarray:
     """The whole array on this host; every process must call this for every leaf."""
-    return to_host(jax.random.key_data(leaf) if _is_key(leaf) else leaf)
+    data = jax.random.key_data(leaf) if _is_key(leaf) else leaf
+    if not isinstance(data, jax.Array) or not data.is_fully_addressable:
+        return to_host(data)
+    # Assembled here from the shards because `np.asarray` of a sharded array keeps
+    # its host copy cached on the array for as long as the array lives: a save
+    # would leave a second copy of the model in host memory.
+    out = np.empty(data.shape, data.dtype)
+    for shard in data.addressable_shards:
+        if shard.replica_id == 0:
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def _spec_of(leaf: Any) -> list[Any] | None:
@@ -226,16 +237,20 @@ def _write_safetensors(
     raw += b" " * (-len(raw) % 8)
     sums: dict[str, str] = {}
     handle = open(path, "wb") if write else None  # noqa: SIM115 - closed below
+    # The checksum runs in a second thread while the same bytes are written: both
+    # release the GIL, so on two cores it costs little wall time.
+    pool = ThreadPoolExecutor(1) if write else None
     try:
         if handle is not None:
             handle.write(struct.pack("<Q", len(raw)))
             handle.write(raw)
         for key, leaf in leaves:
             host = np.ascontiguousarray(_host(leaf))  # all processes gather
-            if handle is not None:
+            if handle is not None and pool is not None:
                 data = host.reshape(-1).view(np.uint8).data  # the bytes, without a copy
+                crc = pool.submit(zlib.crc32, data)
                 handle.write(data)
-                sums[key] = f"{zlib.crc32(data):08x}"
+                sums[key] = f"{crc.result():08x}"
             del host
         if handle is not None:
             handle.flush()
@@ -243,6 +258,8 @@ def _write_safetensors(
     except OSError as err:
         raise _with_path(err, path) from err
     finally:
+        if pool is not None:
+            pool.shutdown()
         if handle is not None:
             handle.close()
     return sums
