@@ -8,17 +8,18 @@ writing, fsyncs, and on load verifies the checksums (`verify=True`, the default)
 before placing each leaf.
 
 How memory is measured, and why so. Each operation runs in a fresh process (the
-model is rebuilt there), because a process that already freed memory reuses it:
-measured after another operation, a load's "extra" memory can look near zero. A
-thread samples /proc/self/status every 2 ms and the peak is split into anonymous
-memory (what the call allocates) and file-backed pages (a memory map of the
-checkpoint, which the kernel can drop at any time). On CPU the loaded arrays
-themselves live in host memory: "held" is the anonymous memory still in use when
-the call returned (the result; "result" is the size of every device's shards, more
-than "held" because some shards share memory with the file's map), and
-"transient" = peak - held is what the call needed on top of what it returns: the
-host memory a load onto accelerators would need. Time is the median of
-`--repeats` calls in that process; memory is from the first call.
+model is rebuilt there), and freed heap is handed back to the system before each
+call (`malloc_trim`), because a process reuses memory it freed: measured after
+another operation, a load's "extra" memory looked like 20 MiB. "peak" is the
+kernel's exact high-water mark of resident memory during the call (VmHWM, reset
+through /proc/self/clear_refs) minus the resident memory before it; "file" is the
+sampled peak of file-backed pages (the checkpoint's memory map, which the kernel can
+drop at any time). On CPU the loaded arrays themselves live in host memory: "held"
+is the resident memory still in use when the call returned (the result; "result"
+is the size of every device's shards, more than "held" because some shards share
+memory with the file's map), and "transient" = peak - held is what the call needed
+on top of what it returns: the host memory a load onto accelerators would need.
+Time is the median of `--repeats` calls in that process; memory is from the first.
 
 Targets: save time within 1.5x of raw; peak extra memory of a save below 2x the
 largest leaf; checksums cost at most 10% (load with verify vs without).
@@ -27,6 +28,7 @@ Run: python scripts/bench_checkpoint.py   (about 2 minutes on 2 cores)
 """
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -62,29 +64,35 @@ OPERATIONS = [
 ]
 
 
-def memory() -> tuple[int, int]:
-    """Resident anonymous and file-backed bytes of this process."""
+def status() -> dict[str, int]:
+    """This process's resident memory figures from /proc/self/status, in bytes."""
     found = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
-                name, value = line.split(":")
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM", "RssFile", "RssShmem"):
                 found[name] = int(value.split()[0]) * 1024
-    return found["RssAnon"], found["RssFile"] + found.get("RssShmem", 0)
+    return found
 
 
 def measure(fn: Callable[[], Any]) -> tuple[float, int, int, int, Any]:
-    """Wall time; peak extra anonymous memory, what of it is still held once `fn()`
-    returned, and peak extra file-backed memory."""
-    base_anon, base_file = memory()
-    peak_anon, peak_file = base_anon, base_file
+    """Wall time; peak extra resident memory of `fn()`, what of it is still held when
+    it returned, and the peak of file-backed pages (sampled every 2 ms)."""
+    # Freed heap goes back to the system first, or `fn` would reuse it unseen; the
+    # kernel's high-water mark (VmHWM, reset by writing 5 to clear_refs) is exact
+    # where a sampling thread, which needs the GIL, can miss a short peak.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = status()
+    peak_file = base["RssFile"] + base.get("RssShmem", 0)
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak_anon, peak_file
+        nonlocal peak_file
         while not done.is_set():
-            anon, file = memory()
-            peak_anon, peak_file = max(peak_anon, anon), max(peak_file, file)
+            now = status()
+            peak_file = max(peak_file, now["RssFile"] + now.get("RssShmem", 0))
             time.sleep(0.002)
 
     thread = threading.Thread(target=sample)
@@ -95,9 +103,16 @@ def measure(fn: Callable[[], Any]) -> tuple[float, int, int, int, Any]:
     elapsed = time.perf_counter() - start
     done.set()
     thread.join()
-    anon, file = memory()
-    peak_anon, peak_file = max(peak_anon, anon), max(peak_file, file)
-    return elapsed, peak_anon - base_anon, anon - base_anon, peak_file - base_file, out
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # so that "held" is what is still in use
+    end = status()
+    base_file = base["RssFile"] + base.get("RssShmem", 0)
+    return (
+        elapsed,
+        end["VmHWM"] - base["VmRSS"],
+        end["VmRSS"] - base["VmRSS"],
+        peak_file - base_file,
+        out,
+    )
 
 
 def result_bytes(out: Any) -> int:
@@ -144,8 +159,8 @@ def child(args: argparse.Namespace) -> None:
     }
     runs = []
     for _ in range(args.repeats):
-        elapsed, anon, held, file, out = measure(fns[args.child])
-        runs.append((elapsed, anon, held, file, result_bytes(out)))
+        elapsed, peak, held, file, out = measure(fns[args.child])
+        runs.append((elapsed, peak, held, file, result_bytes(out)))
         if args.child.startswith("redcoast load"):
             for a, (_, b) in zip(jax.tree_util.tree_leaves(out), leaves, strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -156,8 +171,8 @@ def child(args: argparse.Namespace) -> None:
             {
                 "seconds": float(np.median([r[0] for r in runs])),
                 "all_seconds": [r[0] for r in runs],
-                "peak_extra_anon_bytes": first[1],
-                "held_anon_bytes": first[2],
+                "peak_extra_bytes": first[1],
+                "held_bytes": first[2],
                 "peak_extra_file_bytes": first[3],
                 "result_bytes": first[4],
             }
@@ -207,15 +222,15 @@ def main() -> None:
     )
     mib = 2**20
     print(
-        f"{'operation':24} {'seconds':>8} {'peak anon MiB':>14} {'held MiB':>9} "
+        f"{'operation':24} {'seconds':>8} {'peak MiB':>9} {'held MiB':>9} "
         f"{'transient MiB':>14} {'x largest':>10} {'file MiB':>9} {'result MiB':>11}"
     )
     for name, r in results.items():
-        transient = r["peak_extra_anon_bytes"] - r["held_anon_bytes"]
+        transient = r["peak_extra_bytes"] - r["held_bytes"]
         r["transient_bytes"] = transient
         print(
-            f"{name:24} {r['seconds']:8.2f} {r['peak_extra_anon_bytes'] / mib:14.0f} "
-            f"{r['held_anon_bytes'] / mib:9.0f} {transient / mib:14.0f} "
+            f"{name:24} {r['seconds']:8.2f} {r['peak_extra_bytes'] / mib:9.0f} "
+            f"{r['held_bytes'] / mib:9.0f} {transient / mib:14.0f} "
             f"{transient / largest:10.2f} {r['peak_extra_file_bytes'] / mib:9.0f} "
             f"{r['result_bytes'] / mib:11.0f}"
         )
@@ -224,7 +239,7 @@ def main() -> None:
         "save_ratio": seconds["redcoast save"] / seconds["raw save"],
         "load_ratio": seconds["redcoast load verify"] / seconds["raw load"],
         "verify_cost": seconds["redcoast load verify"] / seconds["redcoast load no verify"],
-        "save_peak_over_largest": results["redcoast save"]["peak_extra_anon_bytes"] / largest,
+        "save_peak_over_largest": results["redcoast save"]["peak_extra_bytes"] / largest,
     }
     print(
         f"\nsave time redcoast/raw: {summary['save_ratio']:.2f} (target <= 1.5); "
