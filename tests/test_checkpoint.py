@@ -1,6 +1,7 @@
 """Checkpoints: any mesh to any mesh, readable without redcoast, and loud about damage."""
 
 import json
+import zlib
 from pathlib import Path
 
 import equinox as eqx
@@ -182,4 +183,29 @@ def test_future_format_and_incomplete_folder(saved: tuple[Path, TinyGPT, object]
         rc.load_checkpoint(path, like=make())
     (path / "state.json").unlink()
     with pytest.raises(CheckpointError, match="not a complete redcoast checkpoint"):
+        rc.load_checkpoint(path, like=make())
+
+
+def test_state_json_holds_the_crc32_of_each_tensor(saved: tuple[Path, TinyGPT, object]) -> None:
+    path, _, _ = saved
+    state = json.loads((path / "state.json").read_text())
+    assert state["checksum"] == "crc32" and state["version"] == 2
+    for group, stem in [("model", "model"), ("optimizer", "optimizer")]:
+        tensors = safetensors.numpy.load_file(str(path / f"{stem}.safetensors"))
+        assert set(state["checksums"][group]) == set(tensors)
+        for key, value in tensors.items():
+            want = f"{zlib.crc32(np.ascontiguousarray(value).tobytes()):08x}"
+            assert state["checksums"][group][key] == want, key
+
+
+def test_a_version_1_checkpoint_without_checksums_still_loads(
+    saved: tuple[Path, TinyGPT, object],
+) -> None:
+    path, model, _ = saved
+    state = json.loads((path / "state.json").read_text())
+    del state["checksum"], state["checksums"]
+    (path / "state.json").write_text(json.dumps({**state, "version": 1}))
+    assert_tree_equal(rc.load_checkpoint(path, like=make()).model, model)
+    (path / "state.json").write_text(json.dumps({**state, "version": 2}))
+    with pytest.raises(CheckpointError, match="checksums are missing"):
         rc.load_checkpoint(path, like=make())

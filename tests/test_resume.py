@@ -103,12 +103,12 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(tmp_path: Path) -
 
 def test_latest_ignores_best_and_incomplete_folders(tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpts"
-    for name in ["step_00000004", "step_00000012", "best"]:
-        (ckpts / name).mkdir(parents=True)
-        (ckpts / name / "state.json").write_text("{}")
-    (ckpts / "step_00000020").mkdir()  # no state.json: never completed
-    (ckpts / ".step_00000016.tmp-1234").mkdir()
-    assert rc.latest_checkpoint(ckpts) == ckpts / "step_00000012"
+    for name, step in [("step_00000004", 4), ("step_00000012", 12), ("best", 12)]:
+        rc.save_checkpoint(ckpts / name, model={"w": jax.numpy.zeros(2)}, step=step)
+    (ckpts / "step_00000020").mkdir()  # no state.json: damaged, skipped with a warning
+    (ckpts / ".step_00000016.tmp-1234").mkdir()  # an interrupted save: not a step folder
+    with pytest.warns(UserWarning, match=r"skipping .*step_00000020: .*state\.json: missing"):
+        assert rc.latest_checkpoint(ckpts) == ckpts / "step_00000012"
     assert rc.latest_checkpoint(tmp_path / "missing") is None
     # What a user gets chaining the two on an empty folder (the test-time type checker
     # may answer first; either way a TypeError about `path`).

@@ -1,27 +1,62 @@
-"""Checkpoints that any mesh can load and any safetensors reader can read.
+"""Checkpoints that any mesh can load, any safetensors reader can read, and damage cannot fool.
 
 A checkpoint is a folder:
 
     model.safetensors          (or model-00001-of-0000N.safetensors + model.safetensors.index.json)
     optimizer.safetensors      (same scheme; only when an optimizer state was saved)
-    state.json                 step, the caller's extra values, each leaf's spec
+    state.json                 step, the caller's extra values, each leaf's spec, checksums
 
 Keys are dotted pytree paths (`blocks.0.attn.q_proj.weight`). Saving gathers one
 leaf at a time and streams it into the file, so host memory stays near the size of
-the largest leaf; the folder is written under a temporary name and renamed into
-place when complete, so a crash never leaves a folder that looks valid. Loading
-checks every file, key and shape first, then reads each leaf straight into its
+the largest leaf. `state.json` holds `"checksum": "crc32"` and `"checksums":
+{"model": {key: "1a2b3c4d"}, "optimizer": {...}}`, the CRC32 of each tensor's bytes,
+computed on the bytes as they are written (zlib's CRC32 is the fastest checksum in
+the standard library; see scripts/bench_checkpoint.py for its cost).
+
+Loading checks everything before any array is placed: `state.json`, every file,
+each safetensors header (offsets contiguous, in range and equal to shape x itemsize,
+the file exactly as long as its header says), every key, shape and dtype (a dtype
+that differs from `like` is an error; `dtype=` is the one way to cast floating
+arrays), and, with `verify=True` (the default), every tensor's checksum, read in
+chunks of at most `VERIFY_CHUNK_BYTES`. Then each leaf is read straight into its
 place on the target mesh (only the slices each device needs).
+
+Durability and the replace invariant. A save writes `.NAME.tmp-HOST-PID-RAND/`,
+fsyncs each file and that folder, and renames it into place, then fsyncs the
+parent. If `NAME` already holds a checkpoint, it is first renamed to
+`.NAME.old-RAND/`, the new one renamed to `NAME`, and the old one deleted. So at
+every moment either `NAME` is a complete checkpoint, or `NAME` is absent and a
+complete `.NAME.old-*` holds the previous one: `load_checkpoint(NAME)` and
+`latest_checkpoint` then read from `.NAME.old-*`, and the next `save_checkpoint`
+into that parent folder renames it back (or deletes it once `NAME` is complete).
+That next save also deletes temporary folders of saves that were killed: those
+written from this host by a process that no longer runs, and those of any host
+untouched for `STALE_SECONDS`. Nothing else is ever moved or deleted: a save onto a
+file, or onto a folder that is not a redcoast checkpoint, raises `CheckpointError`.
+This assumes one writer per parent folder at a time (process 0 of one run), as `fit`
+does.
+
+`latest_checkpoint` skips, with a warning naming each folder and the reason,
+`step_*` folders whose `state.json` is missing or unreadable or whose files are
+missing, truncated or have a bad header. It does not read the tensors (that would
+cost a full read of the newest checkpoint at every resume); pass `verify=True` for
+that too. Checksums are always checked when the checkpoint is loaded.
 """
 
 import dataclasses
 import json
 import math
 import os
+import re
 import shutil
+import socket
 import struct
+import time
 import uuid
+import warnings
+import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +76,22 @@ __all__ = [
     "CheckpointError",
     "latest_checkpoint",
     "load_checkpoint",
+    "prune_checkpoints",
     "save_checkpoint",
+    "step_checkpoint_path",
 ]
 
 FORMAT = "redcoast-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: checksums; version 1 checkpoints still load (without verification)
 STATE = "state.json"
 STEP_PREFIX = "step_"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+CHECKSUM = "crc32"
+VERIFY_CHUNK_BYTES = 64 * 1024**2
+STALE_SECONDS = 24 * 3600
+RESERVED = frozenset(
+    {"format", "version", "step", "files", "specs", "keys", "checksum", "checksums"}
+)
 
 _DTYPES = {
     "F64": np.dtype("float64"),
@@ -104,7 +147,17 @@ def _is_key(leaf: Any) -> bool:
 
 def _host(leaf: Any) -> np.ndarray:
     """The whole array on this host; every process must call this for every leaf."""
-    return to_host(jax.random.key_data(leaf) if _is_key(leaf) else leaf)
+    data = jax.random.key_data(leaf) if _is_key(leaf) else leaf
+    if not isinstance(data, jax.Array) or not data.is_fully_addressable:
+        return to_host(data)
+    # Assembled here from the shards because `np.asarray` of a sharded array keeps
+    # its host copy cached on the array for as long as the array lives: a save
+    # would leave a second copy of the model in host memory.
+    out = np.empty(data.shape, data.dtype)
+    for shard in data.addressable_shards:
+        if shard.replica_id == 0:
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def _spec_of(leaf: Any) -> list[Any] | None:
@@ -144,10 +197,29 @@ def _plan_files(
     return [(f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors", g) for k, g in enumerate(groups)]
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's entry to disk (what makes a rename durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _with_path(err: OSError, path: Path) -> OSError:
+    """The same error (same errno, so the same subclass) naming the file it happened to."""
+    if err.filename is not None:
+        return err
+    return OSError(err.errno, err.strerror or os.strerror(err.errno or 0), str(path))
+
+
 def _write_safetensors(
     path: Path, leaves: list[tuple[str, Any]], write: bool, metadata: Mapping[str, str]
-) -> None:
-    """Stream leaves into one safetensors file, gathering each just before it is written."""
+) -> dict[str, str]:
+    """Stream leaves into one safetensors file, gathering each just before it is written.
+
+    Returns each key's checksum, computed on the bytes as they go to the file.
+    """
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for key, leaf in leaves:
@@ -163,35 +235,63 @@ def _write_safetensors(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    sums: dict[str, str] = {}
     handle = open(path, "wb") if write else None  # noqa: SIM115 - closed below
+    # The checksum runs in a second thread while the same bytes are written: both
+    # release the GIL, so on two cores it costs little wall time.
+    pool = ThreadPoolExecutor(1) if write else None
     try:
         if handle is not None:
             handle.write(struct.pack("<Q", len(raw)))
             handle.write(raw)
-        for _, leaf in leaves:
+        for key, leaf in leaves:
             host = np.ascontiguousarray(_host(leaf))  # all processes gather
-            if handle is not None:
-                handle.write(host.tobytes(order="C"))
+            if handle is not None and pool is not None:
+                data = host.reshape(-1).view(np.uint8).data  # the bytes, without a copy
+                crc = pool.submit(zlib.crc32, data)
+                handle.write(data)
+                sums[key] = f"{crc.result():08x}"
             del host
+        if handle is not None:
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as err:
+        raise _with_path(err, path) from err
     finally:
+        if pool is not None:
+            pool.shutdown()
         if handle is not None:
             handle.close()
+    return sums
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        with open(path, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as err:
+        raise _with_path(err, path) from err
 
 
 def _write_group(
     folder: Path, stem: str, leaves: list[tuple[str, Any]], max_bytes: int, write: bool
-) -> list[str]:
+) -> tuple[list[str], dict[str, str]]:
     files = _plan_files(stem, leaves, max_bytes)
+    sums: dict[str, str] = {}
     for name, indices in files:
-        _write_safetensors(folder / name, [leaves[i] for i in indices], write, {"format": "np"})
+        sums.update(
+            _write_safetensors(folder / name, [leaves[i] for i in indices], write, {"format": "np"})
+        )
     if len(files) > 1 and write:
         weight_map = {leaves[i][0]: name for name, indices in files for i in indices}
         total = sum(
             math.prod(_abstract(leaf)[0]) * _abstract(leaf)[1].itemsize for _, leaf in leaves
         )
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return [name for name, _ in files]
+        _write_text(folder / f"{stem}.safetensors.index.json", json.dumps(index, indent=2))
+    return [name for name, _ in files], sums
 
 
 def _jsonable(value: Any, what: str) -> Any:
@@ -218,6 +318,96 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def _agree(error: str | None) -> None:
+    """Raise `error` (found on process 0) on every process, so none waits for the others."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flag = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
+        if error is None and int(flag):
+            error = "save_checkpoint: process 0 refused the path; see its error."
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether `folder` holds a `state.json` of our format (its tensors are not read)."""
+    try:
+        return json.loads((folder / STATE).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _refusal(final: Path) -> str | None:
+    """Why `final` must not be replaced, or None when it is absent or one of ours."""
+    if not final.exists() and not final.is_symlink():
+        return None
+    if final.is_symlink() or not final.is_dir():
+        what = "a symbolic link" if final.is_symlink() else "a file"
+    elif _is_checkpoint(final):
+        return None
+    else:
+        what = f"a folder without a redcoast {STATE}"
+    return (
+        f"save_checkpoint: {final} is {what}, not a redcoast checkpoint; nothing was written "
+        "or moved. Save to another path, or move it away first."
+    )
+
+
+_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+_OLD = re.compile(r"^\.(?P<name>.+)\.old-[0-9a-f]{8}$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _tidy(parent: Path) -> None:
+    """Undo what killed saves left in `parent` (see the module docstring); process 0 only."""
+    if not parent.is_dir():
+        return
+    host, now = socket.gethostname(), time.time()
+    for child in parent.iterdir():
+        tmp, old = _TMP.match(child.name), _OLD.match(child.name)
+        if tmp is not None and child.is_dir():
+            pid = int(tmp["pid"])
+            mine = tmp["host"] == host and pid != os.getpid() and not _alive(pid)
+            if mine or now - child.stat().st_mtime > STALE_SECONDS:
+                shutil.rmtree(child, ignore_errors=True)
+        elif old is not None and child.is_dir() and _is_checkpoint(child):
+            final = parent / old["name"]
+            if _is_checkpoint(final):
+                shutil.rmtree(child, ignore_errors=True)
+            elif not final.exists() and not final.is_symlink():
+                child.rename(final)  # the kill came between the two renames of a replace
+                _fsync(parent)
+
+
+def _put_in_place(tmp: Path, final: Path) -> None:
+    """Rename the complete `tmp` to `final`, keeping the previous one until it is there."""
+    _fsync(tmp)
+    parent = final.parent
+    if final.exists():
+        trash = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        final.rename(trash)
+        try:
+            tmp.rename(final)
+        except BaseException:
+            trash.rename(final)
+            raise
+        _fsync(parent)
+        shutil.rmtree(trash)
+    else:
+        tmp.rename(final)
+    _fsync(parent)
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -227,13 +417,16 @@ def save_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     **extra: Any,
 ) -> Path:
-    """Write a checkpoint folder atomically.
+    """Write a checkpoint folder atomically and durably.
 
     Every process must call this (each leaf is gathered from all of them); process 0
-    writes. The folder appears under its final name only once complete.
+    writes. The folder appears under its final name only once complete and on disk;
+    a previous checkpoint there is replaced without ever being lost (see the module
+    docstring). What killed saves left in the same parent folder is cleaned first.
 
     Args:
-        path: the folder to create (replaced if it exists).
+        path: the folder to create, or a redcoast checkpoint to replace. A file or any
+            other folder there is an error, never overwritten.
         model: the model; its arrays go to `model.safetensors`.
         opt_state: the optimizer state, to `optimizer.safetensors`.
         step: the training step, stored in `state.json`.
@@ -245,26 +438,41 @@ def save_checkpoint(
     Returns:
         The folder's path.
 
+    Raises:
+        CheckpointError: `path` is something other than a redcoast checkpoint.
+        OSError: writing failed (disk full, no permission), naming the file; the
+            temporary folder is removed and a previous checkpoint at `path` is intact.
+
     Example:
         >>> save_checkpoint("runs/x/ckpts/step_100", model=model, opt_state=opt_state,
         ...                 step=100, metrics={"loss": 1.3})
     """
     final = Path(path)
-    reserved = {"format", "version", "step", "files", "specs", "keys"} & set(extra)
+    reserved = RESERVED & set(extra)
     if reserved:
         raise TypeError(f"save_checkpoint: {sorted(reserved)} are reserved names in state.json.")
-    write = jax.process_index() == 0
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    if write:
-        tmp.mkdir(parents=True)
     model_leaves = _leaves(model)
     if not model_leaves:
         raise CheckpointError("save_checkpoint: the model has no arrays to save.")
     opt_leaves = _leaves(opt_state) if opt_state is not None else []
+    stored_extra = _jsonable(extra, "extra")
+    write = jax.process_index() == 0
+    if write:
+        _tidy(final.parent)
+    _agree(_refusal(final) if write else None)
+    tag = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = final.with_name(f".{final.name}.tmp-{tag}")
     try:
-        files = {"model": _write_group(tmp, "model", model_leaves, max_shard_bytes, write)}
+        if write:
+            tmp.mkdir(parents=True)
+        files, sums = {}, {}
+        files["model"], sums["model"] = _write_group(
+            tmp, "model", model_leaves, max_shard_bytes, write
+        )
         if opt_state is not None:
-            files["optimizer"] = _write_group(tmp, "optimizer", opt_leaves, max_shard_bytes, write)
+            files["optimizer"], sums["optimizer"] = _write_group(
+                tmp, "optimizer", opt_leaves, max_shard_bytes, write
+            )
         if write:
             state = {
                 "format": FORMAT,
@@ -277,16 +485,12 @@ def save_checkpoint(
                     for k, v in model_leaves + opt_leaves
                     if _is_key(v)
                 },
-                **_jsonable(extra, "extra"),
+                "checksum": CHECKSUM,
+                "checksums": sums,
+                **stored_extra,
             }
-            (tmp / STATE).write_text(json.dumps(state, indent=2))
-            if final.exists():
-                trash = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-                final.rename(trash)
-                tmp.rename(final)
-                shutil.rmtree(trash)
-            else:
-                tmp.rename(final)
+            _write_text(tmp / STATE, json.dumps(state, indent=2))
+            _put_in_place(tmp, final)
     except BaseException:
         if write:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -301,12 +505,43 @@ def save_checkpoint(
 @dataclasses.dataclass(frozen=True)
 class _Stored:
     file: Path
+    key: str
     dtype: np.dtype
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
+    nbytes: int
 
 
-def _read_header(file: Path) -> dict[str, _Stored]:
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry(file: Path, key: str, entry: Any, base: int) -> _Stored:
+    """One header entry, checked: a known dtype, a shape, offsets spanning shape x itemsize."""
+    bad = f"{file}: the safetensors header of {key!r} is damaged"
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise CheckpointError(f"{bad}: {entry!r} lacks dtype, shape or data_offsets.")
+    if entry["dtype"] not in _DTYPES:
+        raise CheckpointError(
+            f"{file}: {key!r} has dtype {entry['dtype']}, which redcoast cannot read."
+        )
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
+        raise CheckpointError(f"{bad}: shape {shape!r} is not a list of sizes.")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_size, offsets)):
+        raise CheckpointError(f"{bad}: data_offsets {offsets!r} is not [begin, end].")
+    dtype = _DTYPES[entry["dtype"]]
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise CheckpointError(
+            f"{bad}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but shape "
+            f"{tuple(shape)} of {entry['dtype']} needs {nbytes}."
+        )
+    return _Stored(file, key, dtype, tuple(shape), base + offsets[0], nbytes)
+
+
+def _header(file: Path) -> tuple[int, Any]:
+    """The header's length and its parsed JSON."""
     if not file.is_file():
         raise CheckpointError(f"{file}: missing; the checkpoint folder is incomplete.")
     size = file.stat().st_size
@@ -321,25 +556,41 @@ def _read_header(file: Path) -> dict[str, _Stored]:
             )
         try:
             header = json.loads(handle.read(n))
-        except json.JSONDecodeError as err:
+        except ValueError as err:
             raise CheckpointError(
                 f"{file}: the safetensors header is not valid JSON ({err})."
             ) from err
-    out = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        if 8 + n + end > size:
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object.")
+    return n, header
+
+
+def _read_header(file: Path) -> dict[str, _Stored]:
+    """Every tensor of a safetensors file, checked to tile the file exactly, in order."""
+    n, header = _header(file)
+    size = file.stat().st_size
+    entries = sorted(
+        (_entry(file, key, entry, 8 + n) for key, entry in header.items() if key != "__metadata__"),
+        key=lambda e: e.start,
+    )
+    expected = 8 + n
+    for e in entries:
+        if e.start != expected:
             raise CheckpointError(
-                f"{file}: truncated; {key!r} ends at byte {8 + n + end}, the file has {size}."
+                f"{file}: {e.key!r} starts at byte {e.start}, where the previous tensor ends at "
+                f"{expected}: the header's data_offsets overlap or leave a gap; it is damaged."
             )
-        if entry["dtype"] not in _DTYPES:
+        expected += e.nbytes
+        if expected > size:
             raise CheckpointError(
-                f"{file}: {key!r} has dtype {entry['dtype']}, which redcoast cannot read."
+                f"{file}: truncated; {e.key!r} ends at byte {expected}, the file has {size}."
             )
-        out[key] = _Stored(file, _DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + n + begin)
-    return out
+    if expected != size:
+        raise CheckpointError(
+            f"{file}: {size - expected} bytes after the last tensor; the header says the "
+            f"file ends at byte {expected}. It is damaged."
+        )
+    return {e.key: e for e in entries}
 
 
 def _read_group(folder: Path, names: list[str]) -> dict[str, _Stored]:
@@ -350,7 +601,11 @@ def _read_group(folder: Path, names: list[str]) -> dict[str, _Stored]:
 
 
 def _check(
-    stored: dict[str, _Stored], leaves: list[tuple[str, Any]], what: str, folder: Path
+    stored: dict[str, _Stored],
+    leaves: list[tuple[str, Any]],
+    what: str,
+    folder: Path,
+    cast: Any = None,
 ) -> None:
     want = {k for k, _ in leaves}
     missing = sorted(want - set(stored))
@@ -363,11 +618,46 @@ def _check(
             "Build `like` with the same architecture and config as the saved model."
         )
     for key, leaf in leaves:
-        shape, _ = _abstract(leaf)
-        if stored[key].shape != shape:
+        shape, dtype = _abstract(leaf)
+        got = stored[key]
+        if got.shape != shape:
+            raise CheckpointError(f"{got.file}: {key!r} has shape {got.shape}, `like` has {shape}.")
+        floats = jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(got.dtype, jnp.floating)
+        if got.dtype != dtype and not (cast is not None and floats and not _is_key(leaf)):
             raise CheckpointError(
-                f"{stored[key].file}: {key!r} has shape {stored[key].shape}, `like` has {shape}."
+                f"{got.file}: {key!r} is stored as {got.dtype}, `like` has {dtype}. Build "
+                f"`like` with dtype {got.dtype}, or pass dtype= to cast floating arrays."
             )
+
+
+def _verify(stored: dict[str, _Stored], sums: Mapping[str, str]) -> None:
+    """Check each tensor against its checksum, reading at most `VERIFY_CHUNK_BYTES` at once."""
+    largest = max((e.nbytes for e in stored.values()), default=0)
+    buffer = memoryview(bytearray(max(1, min(VERIFY_CHUNK_BYTES, largest))))
+    by_file: dict[Path, list[_Stored]] = {}
+    for entry in stored.values():
+        by_file.setdefault(entry.file, []).append(entry)
+    for file, entries in by_file.items():
+        with open(file, "rb", buffering=0) as handle:
+            for e in entries:
+                if e.key not in sums:
+                    raise CheckpointError(
+                        f"{file}: {e.key!r} has no checksum in {STATE}; the checkpoint is "
+                        "damaged. Pass verify=False to load it unchecked."
+                    )
+                handle.seek(e.start)
+                crc, left = 0, e.nbytes
+                while left:
+                    got = handle.readinto(buffer[: min(left, len(buffer))])
+                    if not got:
+                        raise CheckpointError(f"{file}: truncated while reading {e.key!r}.")
+                    crc, left = zlib.crc32(buffer[:got], crc), left - got
+                if f"{crc:08x}" != sums[e.key]:
+                    raise CheckpointError(
+                        f"{file}: {e.key!r} fails its checksum ({CHECKSUM} {crc:08x}, "
+                        f"{STATE} says {sums[e.key]}): the file is damaged. Load an earlier "
+                        "checkpoint, or pass verify=False to read it anyway."
+                    )
 
 
 def _target_sharding(
@@ -447,6 +737,54 @@ def _optimizer_specs(
     return out
 
 
+def _resolve(folder: Path) -> Path:
+    """`folder`, or the complete `.NAME.old-*` that a save killed between its renames left."""
+    if folder.exists() or not folder.parent.is_dir():
+        return folder
+    for child in sorted(folder.parent.iterdir()):
+        old = _OLD.match(child.name)
+        if old is not None and old["name"] == folder.name and _is_checkpoint(child):
+            return child
+    return folder
+
+
+def _read_state(folder: Path) -> dict[str, Any]:
+    state_file = folder / STATE
+    if not state_file.is_file():
+        raise CheckpointError(
+            f"{state_file}: missing; {folder} is not a complete redcoast checkpoint."
+        )
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{state_file}: not valid JSON ({err}).") from err
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        got = state.get("format") if isinstance(state, dict) else None
+        raise CheckpointError(f"{state_file}: not a redcoast checkpoint (format {got!r}).")
+    if int(state.get("version", 0)) > VERSION:
+        raise CheckpointError(
+            f"{state_file}: format version {state['version']} is newer than this redcoast reads "
+            f"({VERSION}); upgrade redcoast."
+        )
+    files = state.get("files")
+    if not isinstance(files, dict) or not isinstance(files.get("model"), list):
+        raise CheckpointError(f"{state_file}: has no list of model files; it is damaged.")
+    return state
+
+
+def _verify_groups(state: dict[str, Any], groups: Mapping[str, dict[str, _Stored]]) -> None:
+    """Check checksums; a version 1 checkpoint has none, and is read unchecked."""
+    if "checksums" not in state and int(state.get("version", 0)) < 2:
+        return
+    if state.get("checksum") != CHECKSUM or not isinstance(state.get("checksums"), dict):
+        raise CheckpointError(
+            f"{STATE}: checksum {state.get('checksum')!r} is not {CHECKSUM!r} or checksums "
+            "are missing; the checkpoint is damaged. Pass verify=False to load it unchecked."
+        )
+    for group, stored in groups.items():
+        _verify(stored, state["checksums"].get(group, {}))
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -455,12 +793,15 @@ def load_checkpoint(
     mesh: Mesh | None = None,
     specs: PyTree | None = None,
     dtype: Any = None,
+    verify: bool = True,
 ) -> Checkpoint:
     """Read a checkpoint folder onto any mesh.
 
-    Everything is checked (files present and complete, every key there and no
-    other, shapes equal) before any array is placed, so a bad checkpoint raises
-    `CheckpointError` and loads nothing.
+    Everything is checked (files present and complete, headers consistent, every
+    key there and no other, shapes and dtypes equal, checksums) before any array is
+    placed, so a bad checkpoint raises `CheckpointError` and loads nothing. If a save
+    replacing `path` was killed between its two renames, the previous checkpoint is
+    read from where it waits (`.NAME.old-*`).
 
     Args:
         path: a folder written by `save_checkpoint`.
@@ -471,7 +812,10 @@ def load_checkpoint(
             corresponding array of `like` is (or to the first device).
         specs: the `PartitionSpec` tree for the model (from `sharding_rules`); optimizer
             moments follow the parameters they belong to. Replicated when omitted.
-        dtype: cast floating arrays to this dtype (e.g. `jnp.bfloat16`).
+        dtype: cast floating arrays to this dtype (e.g. `jnp.bfloat16`); without it a
+            stored dtype that differs from `like`'s is an error.
+        verify: check every tensor's checksum (one streamed read of the files);
+            `verify=False` skips that read.
 
     Returns:
         A `Checkpoint` with `model`, `opt_state`, `step` and `state`.
@@ -487,28 +831,12 @@ def load_checkpoint(
         )
     if specs is not None and mesh is None:
         raise ValueError("load_checkpoint: specs need a mesh to place arrays on; pass mesh= too.")
-    folder = Path(path)
-    state_file = folder / STATE
-    if not state_file.is_file():
-        raise CheckpointError(
-            f"{state_file}: missing; {folder} is not a complete redcoast checkpoint."
-        )
-    try:
-        state = json.loads(state_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{state_file}: not valid JSON ({err}).") from err
-    if state.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{state_file}: not a redcoast checkpoint (format {state.get('format')!r})."
-        )
-    if int(state.get("version", 0)) > VERSION:
-        raise CheckpointError(
-            f"{state_file}: format version {state['version']} is newer than this redcoast reads "
-            f"({VERSION}); upgrade redcoast."
-        )
+    folder = _resolve(Path(path))
+    state = _read_state(folder)
     model_leaves = _leaves(like)
     stored_model = _read_group(folder, state["files"]["model"])
-    _check(stored_model, model_leaves, "model", folder)
+    _check(stored_model, model_leaves, "model", folder, dtype)
+    groups = {"model": stored_model}
     stored_opt: dict[str, _Stored] = {}
     opt_leaves: list[tuple[str, Any]] = []
     if opt_state_like is not None:
@@ -517,6 +845,9 @@ def load_checkpoint(
         opt_leaves = _leaves(opt_state_like)
         stored_opt = _read_group(folder, state["files"]["optimizer"])
         _check(stored_opt, opt_leaves, "optimizer", folder)
+        groups["optimizer"] = stored_opt
+    if verify:
+        _verify_groups(state, groups)
     model_specs = _spec_map(like, specs)
     model = _load_tree(like, stored_model, mesh, model_specs, dtype)
     opt_state = None
@@ -548,37 +879,59 @@ def step_checkpoint_path(folder: str | os.PathLike[str], step: int) -> Path:
     return Path(folder) / f"{STEP_PREFIX}{int(step):08d}"
 
 
-def _step_checkpoints(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Complete `step_*` checkpoints in `folder`, oldest first."""
+def _step_folders(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """`step_*` folders in `folder` (or the `.step_*.old-*` a killed replace left), oldest first."""
     root = Path(folder)
     if not root.is_dir():
         return []
-    found = []
+    found = {}
     for child in root.iterdir():
-        digits = child.name[len(STEP_PREFIX) :]
-        if child.name.startswith(STEP_PREFIX) and digits.isdigit() and (child / STATE).is_file():
-            found.append((int(digits), child))
-    return sorted(found)
+        old = _OLD.match(child.name)
+        name = child.name if old is None else old["name"]
+        digits = name[len(STEP_PREFIX) :]
+        if not (name.startswith(STEP_PREFIX) and digits.isdigit() and child.is_dir()):
+            continue
+        if old is None or (not (root / name).exists() and _is_checkpoint(child)):
+            found[int(digits)] = child
+    return sorted(found.items())
 
 
-def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
-    """The newest complete training checkpoint in a run's checkpoint folder.
+def _validate(folder: Path, verify: bool) -> None:
+    """Raise `CheckpointError` unless every file `state.json` names is whole (and, with
+    `verify`, matches its checksums)."""
+    state = _read_state(folder)
+    groups = {group: _read_group(folder, names) for group, names in state["files"].items()}
+    if verify:
+        _verify_groups(state, groups)
+
+
+def latest_checkpoint(folder: str | os.PathLike[str], *, verify: bool = False) -> Path | None:
+    """The newest undamaged training checkpoint in a run's checkpoint folder.
 
     Only `step_*` folders count: a best-metric checkpoint (`best/`) is never
-    "latest", so resuming never rolls training back to an older best. Folders are
-    renamed into place only when complete, so an interrupted save is never chosen.
+    "latest", so resuming never rolls training back to an older best. Newer folders
+    that are damaged (state.json missing or unreadable, a file missing, truncated or
+    with a bad header) are skipped with a warning naming each and why. Tensors are
+    not read unless `verify=True`: `load_checkpoint` checks them anyway.
 
     Args:
         folder: the run's checkpoint folder (`fit` uses `workdir/ckpts`).
+        verify: also check every tensor's checksum (a full read of each candidate).
 
     Returns:
-        The folder of the highest step, or None when there is none.
+        The folder of the highest step that passed, or None when there is none.
 
     Example:
         >>> ckpt = load_checkpoint(latest_checkpoint("runs/x/ckpts"), like=model)
     """
-    found = _step_checkpoints(folder)
-    return found[-1][1] if found else None
+    for _, path in reversed(_step_folders(folder)):
+        try:
+            _validate(path, verify)
+        except CheckpointError as err:
+            warnings.warn(f"latest_checkpoint: skipping {path}: {err}", stacklevel=2)
+            continue
+        return path
+    return None
 
 
 def prune_checkpoints(folder: str | os.PathLike[str], keep: int) -> list[Path]:
@@ -590,10 +943,14 @@ def prune_checkpoints(folder: str | os.PathLike[str], keep: int) -> list[Path]:
 
     Returns:
         The folders deleted.
+
+    Example:
+        >>> prune_checkpoints("runs/x/ckpts", keep=3)
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}.")
-    old = [path for _, path in _step_checkpoints(folder)[:-keep]]
+    complete = [path for _, path in _step_folders(folder) if _is_checkpoint(path)]
+    old = complete[:-keep]
     for path in old:
         shutil.rmtree(path)
     return old
