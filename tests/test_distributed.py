@@ -197,6 +197,7 @@ def test_launch_runs_processes_that_see_each_other(capfd: pytest.CaptureFixture[
     assert "[1] rank 1 of 2: devices 4 sum 6.0" in out
 
 
+@pytest.mark.slow
 def test_launch_returns_the_failure_and_leaves_no_process(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -379,6 +380,7 @@ def _survivor(proc: subprocess.Popen[str], killed_at: float) -> tuple[int, str, 
 TRANSPORT_ABORT = re.compile(r"gloo::EnforceNotMet|Gloo [\w-]+ failed")
 
 
+@pytest.mark.slow
 def test_a_hung_worker_stops_every_survivor_with_its_name() -> None:
     # SIGSTOP freezes the process with its sockets open: only a heartbeat can tell.
     tag = f"hung-worker-{uuid.uuid4().hex}"
@@ -394,6 +396,7 @@ def test_a_hung_worker_stops_every_survivor_with_its_name() -> None:
         assert elapsed < 1.4 * TIMEOUT + 3, f"process {rank} took {elapsed:.1f} s"
 
 
+@pytest.mark.slow
 def test_a_dead_worker_stops_the_survivor() -> None:
     tag = f"dead-worker-{uuid.uuid4().hex}"
     with _workers(2, tag) as (p0, p1):
@@ -407,6 +410,7 @@ def test_a_dead_worker_stops_the_survivor() -> None:
         assert code == -signal.SIGABRT and TRANSPORT_ABORT.search(out), out[-3000:]
 
 
+@pytest.mark.slow
 def test_a_dead_coordinator_stops_the_survivor() -> None:
     tag = f"dead-coordinator-{uuid.uuid4().hex}"
     with _workers(2, tag) as (p0, p1):
@@ -421,6 +425,7 @@ def test_a_dead_coordinator_stops_the_survivor() -> None:
     assert elapsed < 1.4 * TIMEOUT + 3, f"the survivor took {elapsed:.1f} s"
 
 
+@pytest.mark.slow
 def test_launch_names_the_dead_process_and_leaves_none(tmp_path: Path) -> None:
     tag = f"launched-{uuid.uuid4().hex}"
     launch = [sys.executable, "-m", "redcoast", "launch", "--nprocs", "2"]
@@ -448,6 +453,7 @@ def test_launch_names_the_dead_process_and_leaves_none(tmp_path: Path) -> None:
     _assert_no_process_left(tag)
 
 
+@pytest.mark.slow
 def test_launch_asks_processes_to_stop_and_they_save_a_checkpoint(tmp_path: Path) -> None:
     # As when SLURM or a user stops the launcher: fit in every process saves a
     # checkpoint of the same step and exits; the launcher reports the signal.
@@ -481,6 +487,7 @@ def test_launch_asks_processes_to_stop_and_they_save_a_checkpoint(tmp_path: Path
     _assert_no_process_left(tag)
 
 
+@pytest.mark.slow
 def test_launch_command_line_timeout_stops_everything() -> None:
     tag = f"sleeper-{uuid.uuid4().hex}"
     started = time.monotonic()

@@ -224,7 +224,10 @@ def test_the_plan_lists_fallbacks_and_guesses_at_the_end() -> None:
 # ----------------------------------------------------------------------------- numerics
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
+# The mixture of experts here; the other architectures in `nox -s slow`.
+@pytest.mark.parametrize(
+    "name", [n if n == "moe" else pytest.param(n, marks=pytest.mark.slow) for n in ARCHS]
+)
 def test_sharded_equals_unsharded(name: str) -> None:
     make, x, _ = ARCHS[name]
     model = make()
