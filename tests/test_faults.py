@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -272,6 +273,19 @@ def test_float_saved_int_expected_is_an_error_not_a_cast(tmp_path: Path) -> None
 
 
 # ----------------------------------------------------------------------------- leftovers and resume
+
+
+def test_a_half_deleted_old_copy_is_removed_by_the_next_save(tmp_path: Path) -> None:
+    # A kill while the replaced checkpoint was being deleted: the new one is in place,
+    # the old one has lost its state.json and some files.
+    path = tmp_path / "best"
+    rc.save_checkpoint(path, model=tree(1), step=1)
+    half = tmp_path / ".best.old-0123abcd"
+    shutil.copytree(path, half)
+    (half / "state.json").unlink()
+    rc.save_checkpoint(path, model=tree(2), step=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+    assert_is_step(path, 2)
 
 
 def test_half_written_temp_folder_is_ignored_then_removed(tmp_path: Path) -> None:

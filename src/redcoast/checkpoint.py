@@ -380,11 +380,13 @@ def _tidy(parent: Path) -> None:
             mine = tmp["host"] == host and pid != os.getpid() and not _alive(pid)
             if mine or now - child.stat().st_mtime > STALE_SECONDS:
                 shutil.rmtree(child, ignore_errors=True)
-        elif old is not None and child.is_dir() and _is_checkpoint(child):
+        elif old is not None and child.is_dir():
             final = parent / old["name"]
+            # With the new checkpoint in place the old one is garbage, even half
+            # deleted (a kill during its removal leaves it without state.json).
             if _is_checkpoint(final):
                 shutil.rmtree(child, ignore_errors=True)
-            elif not final.exists() and not final.is_symlink():
+            elif _is_checkpoint(child) and not final.exists() and not final.is_symlink():
                 child.rename(final)  # the kill came between the two renames of a replace
                 _fsync(parent)
 
