@@ -70,7 +70,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from .data import to_host
+from .data import barrier, to_host
 from .sharding import path_str
 
 __all__ = [
@@ -306,13 +306,6 @@ def _jsonable(value: Any, what: str) -> Any:
     )
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 def _agree(error: str | None) -> None:
     """Raise `error` (found on process 0) on every process, so none waits for the others."""
     if jax.process_count() > 1:
@@ -492,7 +485,7 @@ def save_checkpoint(
         if write:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _barrier(f"redcoast-save-{final.name}")
+    barrier(f"redcoast-save-{final.name}")
     return final
 
 

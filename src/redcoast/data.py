@@ -260,6 +260,16 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (nothing on one process).
+
+    Args:
+        name: the same on every process, distinct per barrier.
+    """
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 def batches(
     examples: Sequence[Any],
     *,

@@ -37,7 +37,7 @@ from .checkpoint import (
     save_checkpoint,
     step_checkpoint_path,
 )
-from .data import Batch, CollateFn, batches, check_positive, global_batch_size
+from .data import Batch, CollateFn, barrier, batches, check_positive, global_batch_size
 from .evaluate import Evaluation, check_examples, inference, scalar_metrics
 from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
 from .loop import Hook, LoopState, always, run_loop
@@ -161,11 +161,6 @@ def predict(
 _RUN_FILES = ("ckpts", "metrics.jsonl", "eval")
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
 def _claim_workdir(workdir: str, *, resume: bool, overwrite: bool, lead: bool) -> None:
     """A workdir belongs to one run: refuse a fresh run where another run left its files."""
     if resume and overwrite:
@@ -190,7 +185,7 @@ def _claim_workdir(workdir: str, *, resume: bool, overwrite: bool, lead: bool) -
         for name in found:
             path = os.path.join(workdir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    _barrier("redcoast-claim-workdir")
+    barrier("redcoast-claim-workdir")
 
 
 @contextlib.contextmanager
