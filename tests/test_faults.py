@@ -558,6 +558,18 @@ def test_hooks_run_when_due_and_may_stop_the_run(tmp_path):
         **FIT,
     )
     assert seen == [(3, 0, 3, False), (6, 0, 6, False), (7, 0, 7, True)]
+    # A hook of any schedule: here after each epoch's last step (8 steps an epoch).
+    ends = []
+    rc.fit(
+        _mlp(),
+        optax.adam(1e-2),
+        _toy(64),
+        n_epochs=2,
+        hooks=[rc.Hook(lambda s: ends.append(s.step), when=lambda s: s.epoch_end)],
+        **FIT,
+    )
+    assert ends == [8, 16]
+    assert rc.global_batch_size(rc.make_mesh(2), 3, 2) == 3 * 4 * 2
 
     def early_stop(state):
         if float(state.metrics["loss"]) < 10.0:
