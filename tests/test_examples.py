@@ -33,8 +33,8 @@ EXPECTED = {
 }
 
 
-# The two longest smoke runs go to `nox -s slow`.
-SLOW = {"dp_sgd", "ppo"}
+# The demo runs here; the examples' smoke runs go to `nox -s slow`.
+SLOW = set(SMOKE)
 
 
 @pytest.mark.parametrize(

@@ -128,7 +128,7 @@ def test_rules_traced_through_generate_give_the_same_layout() -> None:
     assert layout(model, by_generate) == layout(model, by_forward)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_vocabulary_that_divides_nothing_is_padded_split_masked_and_saved_whole(
     arch: str, tmp_path: Path
 ) -> None:

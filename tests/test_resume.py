@@ -55,7 +55,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("kill_at", "resumed_from"),
     # Step 7 is logged after step 6's checkpoint (mid-epoch 0); step 9 after step 8's,
     # which ends epoch 0, so the resumed run starts at the top of epoch 1.
-    [(7, 6), pytest.param(9, 8, marks=pytest.mark.slow)],
+    [pytest.param(7, 6, marks=pytest.mark.slow), pytest.param(9, 8, marks=pytest.mark.slow)],
 )
 def test_sigkill_then_resume_equals_straight_run(
     straight: Path, tmp_path: Path, kill_at: int, resumed_from: int

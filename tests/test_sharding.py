@@ -191,8 +191,11 @@ def value_and_grad(model: eqx.Module, x: Array) -> tuple[Array, object]:
     return fn(params, x)
 
 
+# 4 shards here; 2 and 8 in `nox -s slow`.
 @pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize(
+    "n", [pytest.param(2, marks=pytest.mark.slow), 4, pytest.param(8, marks=pytest.mark.slow)]
+)
 def test_sharded_loss_and_grads_equal_unsharded(name: str, n: int) -> None:
     model = MODELS[name]()
     x = inputs(name)
