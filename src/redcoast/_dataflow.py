@@ -109,6 +109,7 @@ class Dataflow:
     gated: matmuls seen passing through a gate somewhere (`gates` is those of them
         whose outputs never reach a matmul's input or the result otherwise).
     reaching: matmuls whose outputs reach some matmul's input or the result.
+    stacked: leaf -> its axes a loop iterates over (the layer axis of scanned layers).
     """
 
     uses: dict[int, Use] = dataclasses.field(default_factory=dict)
@@ -122,6 +123,7 @@ class Dataflow:
     opaque: set[str] = dataclasses.field(default_factory=set)
     gated: set[int] = dataclasses.field(default_factory=set)
     reaching: set[int] = dataclasses.field(default_factory=set)
+    stacked: dict[int, set[int]] = dataclasses.field(default_factory=dict)
 
 
 def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...], axis: int) -> tuple[int, int] | None:
@@ -519,6 +521,9 @@ def scan(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     params = eqn.params
     nconst, ncarry = params["num_consts"], params["num_carry"]
     consts, carry, xs = ins[:nconst], ins[nconst : nconst + ncarry], ins[nconst + ncarry :]
+    for s in xs:
+        if s.weight is not None and s.weight[1] and s.weight[1][0] is not None:
+            walk.flow.stacked.setdefault(s.weight[0], set()).add(s.weight[1][0])
     outs = walk.fixed_point(params["jaxpr"], consts, carry, [_slice_leading(s) for s in xs])
     return outs[:ncarry] + [_stack_leading(s) for s in outs[ncarry:]]
 

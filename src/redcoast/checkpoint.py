@@ -71,7 +71,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from .data import barrier, to_host
-from .sharding import path_str
+from .sharding import ShardingPlan, optimizer_specs, path_str
 
 __all__ = [
     "Checkpoint",
@@ -701,6 +701,8 @@ def _load_tree(
 def _spec_map(model: PyTree, specs: PyTree | None) -> dict[str, P] | None:
     if specs is None:
         return None
+    if isinstance(specs, ShardingPlan):
+        specs = specs.specs
     flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))
     mapping = {path_str(p): s for p, s in flat}
     missing = [k for k, _ in _leaves(model) if k not in mapping]
@@ -709,26 +711,6 @@ def _spec_map(model: PyTree, specs: PyTree | None) -> dict[str, P] | None:
             f"load_checkpoint: specs has no entry for {missing[:5]}; pass specs for `like`."
         )
     return mapping
-
-
-def _optimizer_specs(
-    opt_leaves: list[tuple[str, Any]],
-    model_leaves: list[tuple[str, Any]],
-    model_specs: Mapping[str, P],
-) -> dict[str, P]:
-    """Optimizer moments mirror the parameters: a leaf whose path ends with a parameter's
-    path and has its shape takes that parameter's spec; the rest (step counters,
-    factored statistics) are replicated."""
-    shapes = {k: _abstract(v)[0] for k, v in model_leaves}
-    out = {}
-    for key, leaf in opt_leaves:
-        match = [
-            m
-            for m in model_specs
-            if (key == m or key.endswith("." + m)) and shapes.get(m) == _abstract(leaf)[0]
-        ]
-        out[key] = model_specs[max(match, key=len)] if match else P()
-    return out
 
 
 def _resolve(folder: Path) -> Path:
@@ -804,7 +786,7 @@ def load_checkpoint(
         opt_state_like: an optimizer state of the same structure, to load the saved one.
         mesh: place arrays on this mesh; without it, each array goes where the
             corresponding array of `like` is (or to the first device).
-        specs: the `PartitionSpec` tree for the model (from `sharding_rules`); optimizer
+        specs: the `PartitionSpec` tree (or `ShardingPlan`) for the model; optimizer
             moments follow the parameters they belong to. Replicated when omitted.
         dtype: cast floating arrays to this dtype (e.g. `jnp.bfloat16`); without it a
             stored dtype that differs from `like`'s is an error.
@@ -847,7 +829,7 @@ def load_checkpoint(
     opt_state = None
     if opt_state_like is not None:
         opt_specs = (
-            None if model_specs is None else _optimizer_specs(opt_leaves, model_leaves, model_specs)
+            None if model_specs is None else optimizer_specs(opt_leaves, model_leaves, model_specs)
         )
         opt_state = _load_tree(opt_state_like, stored_opt, mesh, opt_specs, None)
     return Checkpoint(model=model, opt_state=opt_state, step=int(state["step"]), state=state)

@@ -597,6 +597,7 @@ def fit(
     on_nonfinite: Literal["raise", "skip"] = "raise",
     opt_state: PyTree | None = None,
     schedule: Callable[[Any], Any] | None = None,
+    fsdp: bool = False,
 ) -> FitResult:
     """Train `model` on `train_examples` with data and tensor parallelism over `mesh`.
 
@@ -661,6 +662,10 @@ def fit(
             state unchanged on such steps and counts them in `skipped`.
         opt_state: an optimizer state to continue from; `optimizer.init` otherwise.
         schedule: `count -> lr`, to log the learning rate.
+        fsdp: when `fit` places the model, split its weights over the data axis as
+            well (ZeRO-3: parameters, gradients and optimizer state divided by every
+            device; see `sharding_plan`). A model already on `mesh` (from
+            `sharded_init`, say) keeps its layout.
 
     Returns:
         A `FitResult` with `model`, `opt_state`, `step`, `history` and `stopped_by`.
@@ -685,7 +690,7 @@ def fit(
     first, epoch_batches = _epochs(
         train_examples, collate_fn=collate_fn, mesh=mesh, size=size, seed=seed
     )
-    placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key))
+    placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key), fsdp=fsdp)
     opt = (
         optimizer.init(eqx.filter(placed, eqx.is_inexact_array)) if opt_state is None else opt_state
     )

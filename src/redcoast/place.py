@@ -7,6 +7,7 @@ step is about to donate the caller's own? They live here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import PyTree
+from jaxtyping import PRNGKeyArray, PyTree
 
 from .mesh import DATA, MODEL, mesh_shape
-from .sharding import shard, sharding_rules
+from .sharding import ShardingPlan, shard, sharding_rules, sharding_tree
 
 
 def _array_leaves(tree: PyTree) -> list[Any]:
@@ -63,13 +64,14 @@ def place(
     *,
     example_call: Callable[[PyTree], Any] | None = None,
     specs: PyTree | None = None,
+    fsdp: bool = False,
 ) -> PyTree:
     """Put `model` on `mesh`, split by the sharding rules when the mesh has a model axis.
 
     A model already on `mesh` is returned as it is. A model on another redcoast mesh
     keeps its specs. Otherwise the specs are `specs` when given, else
     `sharding_rules(model, n_model_shards, example_call=example_call)` on a mesh
-    with a model axis > 1, else every array is replicated.
+    with a model axis > 1 or with `fsdp`, else every array is replicated.
 
     Args:
         model: an Equinox model (or any pytree of arrays).
@@ -77,6 +79,7 @@ def place(
         example_call: `model -> output`, traced (no FLOPs) to follow the dataflow;
             without it the rules fall back to declaration order.
         specs: a `PartitionSpec` tree (or `ShardingPlan`) to use instead of the rules.
+        fsdp: split the weights over the data axis as well (`sharding_plan`'s `fsdp`).
 
     Returns:
         The model with every array a `jax.Array` on `mesh`. Arrays that did not have
@@ -85,18 +88,74 @@ def place(
     Example:
         >>> model = rc.place(model, rc.make_mesh(2), example_call=lambda m: jax.vmap(m)(x))
     """
-    n_model = mesh_shape(mesh)[1]
+    n_data, n_model = mesh_shape(mesh)
     leaves = _array_leaves(model)
     if specs is None:
         if all(_on_mesh(x, mesh) for x in leaves):
             return model
         if all(_redcoast_sharding(x) is not None for x in leaves):
             specs = jax.tree.map(lambda x: x.sharding.spec, eqx.filter(model, eqx.is_array))
-        elif n_model > 1:
-            specs = sharding_rules(model, n_model, example_call=example_call)
+        elif n_model > 1 or fsdp:
+            specs = sharding_rules(
+                model, n_model, example_call=example_call, fsdp=n_data if fsdp else 1
+            )
         else:
             specs = jax.tree.map(lambda _: P(), eqx.filter(model, eqx.is_array))
     return shard(model, mesh, specs)
+
+
+def sharded_init(
+    make: Callable[[PRNGKeyArray], PyTree],
+    key: PRNGKeyArray,
+    mesh: Mesh,
+    *,
+    example_call: Callable[[PyTree], Any] | None = None,
+    specs: PyTree | None = None,
+    fsdp: bool = False,
+) -> PyTree:
+    """Build `make(key)` directly in its shards: no device or host holds the whole model.
+
+    The shapes come from `eqx.filter_eval_shape(make, key)`, the plan is made on
+    them, and `make` runs under `jax.jit` with the plan's output shardings, so each
+    device computes only its own slice of every array. The arrays equal those of
+    `make(key)` built whole (JAX's random bits do not depend on the sharding).
+
+    Args:
+        make: `key -> model`, e.g. `lambda k: rc.models.Llama(config, key=k)`.
+        key: the initialisation key (the same on every process).
+        mesh: from `make_mesh`.
+        example_call: `model -> output`, traced on abstract shapes to follow the
+            dataflow; zoo language models default to a short sequence of token ids.
+        specs: a `PartitionSpec` tree (or `ShardingPlan`) to use instead of the rules.
+        fsdp: split the weights over the data axis as well (`sharding_plan`'s `fsdp`).
+
+    Returns:
+        The model, every array a `jax.Array` on `mesh` with its spec; pass it to
+        `fit` or `predict` on the same mesh.
+
+    Example:
+        >>> mesh = rc.make_mesh(n_model_shards=4)
+        >>> model = rc.sharded_init(lambda k: rc.models.Llama(config, key=k), key, mesh)
+    """
+    abstract = eqx.filter_eval_shape(make, key)
+    n_data, n_model = mesh_shape(mesh)
+    if specs is None:
+        if example_call is None:
+            # Models that know how to be called (the zoo) say so with `trace_call`.
+            example_call = getattr(type(abstract), "trace_call", None)
+        specs = sharding_rules(
+            abstract, n_model, example_call=example_call, fsdp=n_data if fsdp else 1
+        )
+    if isinstance(specs, ShardingPlan):
+        specs = specs.specs
+    shardings = sharding_tree(abstract, mesh, specs)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def build() -> PyTree:
+        return eqx.filter(make(key), eqx.is_array)
+
+    _, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return eqx.combine(build(), static)
 
 
 def replicate_strays(tree: PyTree, mesh: Mesh) -> PyTree:

@@ -43,11 +43,13 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._dataflow import NO_USE, Dataflow, Use, trace_dataflow
-from .mesh import MODEL
+from .mesh import DATA, MODEL
 
 __all__ = [
     "LeafPlan",
     "ShardingPlan",
+    "abstract_arrays",
+    "optimizer_specs",
     "shard",
     "sharding_plan",
     "sharding_report",
@@ -87,7 +89,8 @@ class ShardingPlan:
     """A `PartitionSpec` for every array of a model, with the reason for each.
 
     `specs` has the structure of `eqx.filter(model, eqx.is_array)` and is what
-    `shard` takes. `str(plan)` is a readable report.
+    `shard` takes. `str(plan)` is a readable report. `fsdp` is the number of data
+    shards the weights are also split over (1: none).
     """
 
     specs: PyTree
@@ -95,12 +98,14 @@ class ShardingPlan:
     n_model_shards: int
     method: str
     notes: tuple[str, ...] = ()
+    fsdp: int = 1
 
     def _per_device(self, leaf: LeafPlan) -> float:
         ways = 1
         for entry in leaf.spec:
             names = entry if isinstance(entry, tuple) else (entry,)
             ways *= self.n_model_shards ** sum(name == MODEL for name in names)
+            ways *= self.fsdp ** sum(name == DATA for name in names)
         return leaf.nbytes / ways
 
     @property
@@ -110,7 +115,7 @@ class ShardingPlan:
 
     @property
     def bytes_per_device(self) -> int:
-        """Bytes of the model that each device of one model-parallel group holds."""
+        """Bytes of the model that each device holds."""
         return int(sum(self._per_device(leaf) for leaf in self.leaves))
 
     @property
@@ -124,8 +129,9 @@ class ShardingPlan:
         ]
         heads = ("path", "shape", "spec", "why")
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads[:3])]
+        fsdp = f" x {self.fsdp} data shard(s) (FSDP)" if self.fsdp > 1 else ""
         lines = [
-            f"sharding plan: {self.n_model_shards} model shard(s); {self.method}",
+            f"sharding plan: {self.n_model_shards} model shard(s){fsdp}; {self.method}",
             "  ".join(h.ljust(w) for h, w in zip(heads[:3], widths, strict=True)) + "  why",
         ]
         for row in rows:
@@ -136,7 +142,8 @@ class ShardingPlan:
         rep = self.replicated_bytes
         lines.append(
             f"bytes per device: {_fmt_bytes(self.bytes_per_device)} of {_fmt_bytes(total)} "
-            f"(ideal {_fmt_bytes(total / self.n_model_shards)}); replicated: {_fmt_bytes(rep)} "
+            f"(ideal {_fmt_bytes(total / (self.n_model_shards * self.fsdp))}); "
+            f"replicated: {_fmt_bytes(rep)} "
             f"({100 * rep / max(total, 1):.1f}% of the model)"
         )
         lines.extend(f"note: {note}" for note in self.notes)
@@ -172,6 +179,29 @@ def _key_str(key: Any) -> str:
 def path_str(path: tuple[Any, ...]) -> str:
     """`blocks.0.attn.query_proj.weight` for a JAX key path."""
     return ".".join(_key_str(k) for k in path)
+
+
+def abstract_arrays(tree: PyTree) -> PyTree:
+    """`tree` with each `jax.ShapeDtypeStruct` leaf a zero-stride NumPy array of its shape.
+
+    What `eqx.filter_eval_shape` returns becomes a model whose leaves are arrays to
+    `eqx.is_array` (and to the sharding rules, which read only shapes and dtypes),
+    at no memory cost: every element is the same zero in memory.
+
+    Args:
+        tree: a pytree, e.g. `eqx.filter_eval_shape(make_model, key)`.
+
+    Returns:
+        The same structure, abstract leaves replaced.
+    """
+    return jax.tree_util.tree_map(
+        lambda s: (
+            np.broadcast_to(np.zeros((), s.dtype), s.shape)
+            if isinstance(s, jax.ShapeDtypeStruct)
+            else s
+        ),
+        tree,
+    )
 
 
 def _array_leaves(model: PyTree) -> list[tuple[str, Any]]:
@@ -492,8 +522,8 @@ def _plan_dataflow(
     shapes: list[tuple[int, ...]],
     n: int,
     overrides: Mapping[int, tuple[str, P]],
-) -> tuple[dict[int, _Decision], dict[int, _Decision], dict[int, _Decision], list[str]]:
-    """Matmul, embedding and tied-vector decisions from the traced dataflow.
+) -> tuple[dict[int, _Decision], dict[int, _Decision], dict[int, _Decision], list[str], Dataflow]:
+    """Matmul, embedding and tied-vector decisions from the traced dataflow (and the flow).
 
     Overrides are decisions fixed before the rules run, so that what reads an
     overridden weight's output follows from the override.
@@ -546,7 +576,7 @@ def _plan_dataflow(
                 why = f"added to {paths[mleaf]}'s output: split with its {d.kind} dimension"
                 tied[vec] = _Decision(COL, vaxis, why)
     matmuls = {k: v for k, v in decided.items() if k not in emb and k not in fixed}
-    return matmuls, emb, tied, notes
+    return matmuls, emb, tied, notes, flow
 
 
 def _plan_declaration(
@@ -588,11 +618,11 @@ def _plan_declaration(
     return decided, emb
 
 
-def _check_n(n_model_shards: int) -> None:
-    if isinstance(n_model_shards, bool) or not isinstance(n_model_shards, int | np.integer):
-        raise TypeError(f"n_model_shards must be an int, got {type(n_model_shards).__name__}.")
-    if n_model_shards < 1:
-        raise ValueError(f"n_model_shards must be >= 1, got {n_model_shards}.")
+def _check_n(n: int, name: str = "n_model_shards") -> None:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}.")
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}.")
 
 
 def sharding_plan(
@@ -601,17 +631,30 @@ def sharding_plan(
     *,
     example_call: Callable[[PyTree], Any] | None = None,
     overrides: Mapping[str, P] | None = None,
+    fsdp: int = 1,
 ) -> ShardingPlan:
     """Find a tensor-parallel `PartitionSpec` for every array of `model`, with reasons.
 
+    With `fsdp > 1` every weight is also split over the `"data"` axis (ZeRO-3 /
+    FSDP): on the largest dimension the tensor-parallel spec leaves whole and
+    `fsdp` divides (never a scanned layer axis), else together with the model axis
+    on its split dimension when that divides, else not at all (listed in the
+    notes). Parameters, gradients and optimizer state are then divided by every
+    device; XLA gathers each weight where it is used and reduce-scatters its
+    gradient.
+
     Args:
-        model: an Equinox module (any pytree whose arrays are the parameters).
+        model: an Equinox module (any pytree whose arrays are the parameters); its
+            leaves may be `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape` of the
+            constructor), so a model can be planned before it exists.
         n_model_shards: the size of the mesh's `"model"` axis.
         example_call: `model -> outputs`, run once under `jax.make_jaxpr` on abstract
             shapes (no FLOPs) to follow the dataflow, e.g. `lambda m: jax.vmap(m)(x)`.
             Without it, Linear layers alternate in declaration order.
         overrides: maps glob patterns over dotted paths (`"blocks.*.mlp.*.weight"`) to
             the `PartitionSpec` to use; wins over the rules.
+        fsdp: the size of the mesh's `"data"` axis to split the weights over as well;
+            1 for none.
 
     Returns:
         A `ShardingPlan`; `.specs` is what `shard` takes and `str(plan)` a report.
@@ -622,7 +665,9 @@ def sharding_plan(
         >>> model = shard(model, make_mesh(2), plan.specs)
     """
     _check_n(n_model_shards)
+    _check_n(fsdp, "fsdp")
     n = int(n_model_shards)
+    model = abstract_arrays(model)
     leaves = _array_leaves(model)
     if not leaves:
         raise ValueError(
@@ -635,10 +680,12 @@ def sharding_plan(
     fixed = _match_overrides(overrides or {}, paths, shapes, n)
     notes: list[str] = []
     tied: dict[int, _Decision] = {}
+    stacked: dict[int, set[int]] = {}
     if example_call is not None:
-        matmuls, emb, tied, flow_notes = _plan_dataflow(
+        matmuls, emb, tied, flow_notes, flow = _plan_dataflow(
             example_call, model, info, paths, shapes, n, fixed
         )
+        stacked = flow.stacked
         notes.extend(flow_notes)
         method = "rules traced from example_call (dataflow)"
         unseen = [p for p in info.linear_weight if p in paths and paths.index(p) not in matmuls]
@@ -664,12 +711,53 @@ def sharding_plan(
             reason, guess = f"override {pattern!r}", False
         if guess:
             notes.append(f"{path}: {reason}")
+        if fsdp > 1:
+            with_data, why = _fsdp_spec(spec, shapes[i], stacked.get(i, set()), n, int(fsdp))
+            reason = f"{reason}; {why}"
+            if with_data is None:
+                notes.append(f"{path} {shapes[i]}: {why}")
+            spec = spec if with_data is None else with_data
         specs.append(spec)
         plans.append(LeafPlan(path, shapes[i], str(leaf.dtype), spec, reason))
     spec_tree = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(eqx.filter(model, eqx.is_array)), specs
     )
-    return ShardingPlan(spec_tree, tuple(plans), n, method, tuple(notes))
+    return ShardingPlan(spec_tree, tuple(plans), n, method, tuple(notes), int(fsdp))
+
+
+def _trimmed(entries: list[Any]) -> P:
+    """A spec without trailing `None`s, as the arrays' own shardings report it."""
+    while entries and entries[-1] is None:
+        entries = entries[:-1]
+    return P(*entries)
+
+
+def _fsdp_spec(
+    spec: P, shape: tuple[int, ...], stacked: set[int], n_model: int, n_data: int
+) -> tuple[P | None, str]:
+    """`spec` with the data axis added for FSDP, and why; `None` when it cannot be."""
+    entries: list[Any] = [*spec, *([None] * (len(shape) - len(spec)))]
+    if any(DATA in (e if isinstance(e, tuple) else (e,)) for e in entries):
+        return spec, "FSDP: the spec already names the data axis"
+    free = [a for a, e in enumerate(entries) if e is None and a not in stacked and shape[a] > 1]
+    split_on_model = any(MODEL in (e if isinstance(e, tuple) else (e,)) for e in entries)
+    if not split_on_model and n_model > 1:
+        # Left whole by tensor parallelism: divide it by every device, not only the data axis.
+        both = [a for a in free if shape[a] % (n_data * n_model) == 0]
+        if both:
+            axis = max(both, key=lambda a: (shape[a], -a))
+            entries[axis] = (DATA, MODEL)
+            return _trimmed(entries), f"FSDP over data and model on dimension {axis}"
+    whole = [a for a in free if shape[a] % n_data == 0]
+    if whole:
+        axis = max(whole, key=lambda a: (shape[a], -a))
+        entries[axis] = DATA
+        return _trimmed(entries), f"FSDP on dimension {axis}"
+    for axis, e in enumerate(entries):
+        if e == MODEL and shape[axis] % (n_model * n_data) == 0:
+            entries[axis] = (MODEL, DATA)
+            return _trimmed(entries), f"FSDP with the model axis on dimension {axis}"
+    return None, f"FSDP: no dimension divides into {n_data} data shards; replicated over data"
 
 
 def _match_overrides(
@@ -730,6 +818,7 @@ def sharding_rules(
     *,
     example_call: Callable[[PyTree], Any] | None = None,
     overrides: Mapping[str, P] | None = None,
+    fsdp: int = 1,
 ) -> PyTree:
     """The `PartitionSpec` tree that `sharding_plan` finds (see there for the arguments).
 
@@ -742,7 +831,7 @@ def sharding_rules(
         >>> model = shard(model, make_mesh(2), specs)
     """
     return sharding_plan(
-        model, n_model_shards, example_call=example_call, overrides=overrides
+        model, n_model_shards, example_call=example_call, overrides=overrides, fsdp=fsdp
     ).specs
 
 
@@ -796,6 +885,57 @@ def _spec_leaves(model: PyTree, specs: PyTree) -> list[tuple[str, Any, P]]:
             "Build specs with redcoast.sharding_rules(model, ...) for this very model."
         )
     return [(path_str(p), a, s) for (p, a), (_, s) in zip(flat_a, flat_s, strict=True)]
+
+
+def sharding_tree(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
+    """`NamedSharding(mesh, spec)` for every array (or abstract array) of `tree`.
+
+    Args:
+        tree: a model, or its `eqx.filter_eval_shape`.
+        mesh: from `make_mesh`.
+        specs: a `PartitionSpec` tree (or `ShardingPlan`) shaped like its arrays.
+
+    Returns:
+        A tree shaped like `eqx.filter(tree, eqx.is_array)` with a sharding per array;
+        it raises, naming the array, when a spec does not fit its shape or the mesh.
+    """
+    if isinstance(specs, ShardingPlan):
+        specs = specs.specs
+    tree = abstract_arrays(tree)
+    sizes = {name: int(size) for name, size in mesh.shape.items()}
+    for path, leaf, spec in _spec_leaves(tree, specs):
+        _check_spec(path, tuple(leaf.shape), spec, sizes)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def optimizer_specs(
+    opt_leaves: list[tuple[str, Any]],
+    model_leaves: list[tuple[str, Any]],
+    model_specs: Mapping[str, P],
+) -> dict[str, P]:
+    """Specs for an optimizer state's leaves: moments mirror the parameters.
+
+    A leaf whose path ends with a parameter's path and has its shape takes that
+    parameter's spec; the rest (step counters, factored statistics) are replicated.
+
+    Args:
+        opt_leaves: `(path, leaf)` of the optimizer state (`path_str` paths).
+        model_leaves: `(path, leaf)` of the parameters.
+        model_specs: parameter path -> its `PartitionSpec`.
+
+    Returns:
+        Optimizer leaf path -> `PartitionSpec`.
+    """
+    shapes = {k: tuple(v.shape) for k, v in model_leaves}
+    out = {}
+    for key, leaf in opt_leaves:
+        match = [
+            m
+            for m in model_specs
+            if (key == m or key.endswith("." + m)) and shapes.get(m) == tuple(leaf.shape)
+        ]
+        out[key] = model_specs[max(match, key=len)] if match else P()
+    return out
 
 
 def shard(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from . import fsdp
 from .mesh import DATA, mesh_shape
 
 LossFn = Callable[[Any, Any, PRNGKeyArray], Any]
@@ -185,6 +186,14 @@ def _train_core(
     n_micro = accumulate_grad_batches
 
     def step(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
+        if mesh is None:
+            return run(model, opt_state, batch, key)
+        # Inside the mesh, models may say how activations are laid out (`with_sharding_
+        # constraint` with bare specs), as the zoo does between blocks.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return run(model, opt_state, batch, key)
+
+    def run(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
         params, static = eqx.partition(model, eqx.is_inexact_array)
         if axis_name is not None:
             # Varying params make jax.grad return this shard's gradient rather than an
@@ -192,7 +201,8 @@ def _train_core(
             params = jax.tree.map(lambda p: jax.lax.pcast(p, axis_name, to="varying"), params)
 
         def objective(p: Any, b: Any, k: Any) -> tuple[Array, dict[str, Array]]:
-            return _split_loss(loss_fn(eqx.combine(p, static), b, k), b)
+            with fsdp.gather_at_use(p):
+                return _split_loss(loss_fn(eqx.combine(p, static), b, k), b)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         if n_micro == 1:
@@ -272,6 +282,15 @@ def _shard_map_step(core: TrainStepFn, mesh: Mesh) -> TrainStepFn:
     return step
 
 
+def stored_specs(model: Any) -> list[P | None]:
+    """The `PartitionSpec` each parameter of `model` is stored with (`None`: unknown)."""
+    leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
+    return [
+        x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else None
+        for x in leaves
+    ]
+
+
 def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
     """`eqx.filter_jit` of `fn(model, opt_state, *rest)` donating the model and optimizer state.
 
@@ -285,7 +304,8 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
 
     @functools.wraps(fn)
     def call(model: Any, opt_state: Any, *rest: Any) -> _T:
-        return jitted(rest, model, opt_state)
+        with fsdp.stored_specs(stored_specs(model)):
+            return jitted(rest, model, opt_state)
 
     return call
 

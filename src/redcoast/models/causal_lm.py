@@ -10,6 +10,7 @@ generation, and the Hugging Face import/export; an architecture (`GPT2`, `Llama`
 """
 
 import abc
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -17,10 +18,12 @@ from typing import Any, ClassVar, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
 
+from .. import fsdp
 from . import hf
 from .checks import check_range
 from .layers import DecoderBlock, KVCache, Norm
@@ -59,6 +62,25 @@ def make_blocks(
     if scan_layers:
         return eqx.filter_vmap(make)(keys)
     return tuple(make(k) for k in keys)
+
+
+def _gathered_call(
+    block: DecoderBlock, x: Float[Array, "seq hidden"], positions: Real[Array, " seq"]
+) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
+    """`block(x, positions)`, its weights gathered for use under FSDP (and not kept)."""
+    params, static = eqx.partition(block, eqx.is_array)
+    specs = fsdp.layer_specs(params, stacked=False)
+    if specs is None:
+        return block(x, positions)
+
+    @functools.partial(jax.checkpoint, policy=fsdp.remat_policy())
+    def run(p: PyTree, h: Float[Array, "seq hidden"]) -> tuple[Float[Array, "seq hidden"], None]:
+        return eqx.combine(fsdp.gather(p, specs), static)(h, positions)
+
+    return run(params, x)
+
+
+_TRACE_IDS = np.zeros((8,), np.int32)
 
 
 class AbstractCausalLM(eqx.Module):
@@ -113,6 +135,14 @@ class AbstractCausalLM(eqx.Module):
         Rows padded for an even split (`config.vocab_multiple`) are not among them.
         """
         return int(self.config.vocab_size)
+
+    def trace_call(self) -> Float[Array, "seq vocab"]:
+        """The call the sharding rules trace when none is given: eight token ids.
+
+        The ids come from outside the trace (a constant), which is what the rules
+        take for data: made inside it they would look like a position table's iota.
+        """
+        return self(_TRACE_IDS)
 
     def __call__(
         self, input_ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
@@ -214,17 +244,18 @@ class AbstractCausalLM(eqx.Module):
             f"{type(self).__name__} has a vocabulary of {self.vocab_size}; check the "
             "tokenizer matches the model, and pad with a real token id.",
         )
-        x = jax.vmap(self.embed_tokens)(input_ids)
+        x = jax.vmap(fsdp.gathered(self.embed_tokens))(input_ids)
         if self.embed_positions is not None:
-            x = x + jax.vmap(self.embed_positions)(positions + self.position_offset)
+            table = fsdp.gathered(self.embed_positions)
+            x = x + jax.vmap(table)(positions + self.position_offset)
         return x
 
     def _logits(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
-        h = jax.vmap(self.norm)(x)
+        h = jax.vmap(fsdp.gathered(self.norm))(x)
         if self.lm_head is None:
-            logits = h @ self.embed_tokens.weight.T
+            logits = h @ fsdp.gathered(self.embed_tokens).weight.T
         else:
-            logits = jax.vmap(self.lm_head)(h)
+            logits = jax.vmap(fsdp.gathered(self.lm_head))(h)
         vocab = self.config.vocab_size
         if logits.shape[-1] == vocab:
             return logits
@@ -243,17 +274,27 @@ class AbstractCausalLM(eqx.Module):
         if isinstance(self.blocks, DecoderBlock):
             assert cache is None or isinstance(cache, KVCache)
             params, static = eqx.partition(self.blocks, eqx.is_array)
+            # Under FSDP, each layer's weights are gathered inside the scan, one layer
+            # at a time, and gathered again in the backward pass rather than kept.
+            specs = fsdp.layer_specs(params, stacked=True)
+
+            def layer(
+                p: PyTree, h: Float[Array, "seq hidden"], c: KVCache | None
+            ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
+                return eqx.combine(fsdp.gather(p, specs), static)(h, positions, c, index)
+
+            if specs is not None:
+                layer = jax.checkpoint(layer, policy=fsdp.remat_policy())
 
             def body(
-                h: Float[Array, "seq hidden"], layer: tuple[PyTree, KVCache | None]
+                h: Float[Array, "seq hidden"], xs: tuple[PyTree, KVCache | None]
             ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-                p, c = layer
-                return eqx.combine(p, static)(h, positions, c, index)
+                return layer(xs[0], h, xs[1])
 
             return jax.lax.scan(body, x, (params, cache))
         if cache is None:
             for block in self.blocks:
-                x, _ = block(x, positions)
+                x, _ = _gathered_call(block, x, positions)
             return x, None
         assert isinstance(cache, tuple)
         new = []

@@ -346,28 +346,14 @@ def _sources(
     return out
 
 
-def _abstract_arrays(skeleton: PyTree) -> PyTree:
-    """The skeleton with zero-stride numpy arrays as leaves: arrays to the sharding rules,
-    which only read shapes and dtypes, at no memory cost."""
-    return jax.tree_util.tree_map(
-        lambda s: (
-            np.broadcast_to(np.zeros((), s.dtype), s.shape)
-            if isinstance(s, jax.ShapeDtypeStruct)
-            else s
-        ),
-        skeleton,
-    )
-
-
-def _shardings(skeleton: PyTree, mesh: Mesh, specs: PyTree | None) -> dict[str, NamedSharding]:
+def _shardings(
+    cls: Any, skeleton: PyTree, mesh: Mesh, specs: PyTree | None
+) -> dict[str, NamedSharding]:
     """Our leaf path -> where it goes; specs are derived by the rules when not given."""
     if isinstance(specs, ShardingPlan):
         specs = specs.specs
     if specs is None:
-        ids = jnp.zeros((8,), jnp.int32)
-        specs = sharding_rules(
-            _abstract_arrays(skeleton), int(mesh.shape[MODEL]), example_call=lambda m: m(ids)
-        )
+        specs = sharding_rules(skeleton, int(mesh.shape[MODEL]), example_call=cls.trace_call)
     shapes = {
         path_str(p): tuple(s.shape)
         for p, s in jax.tree_util.tree_flatten_with_path(skeleton)[0]
@@ -409,7 +395,7 @@ def load(
     n_layers, stacked = _layer_count(skeleton)
     sources = _sources(cls.hf_tensors(config), n_layers, stacked)
     checkpoint = _Checkpoint(folder, cls.hf_base_prefix)
-    shardings = {} if mesh is None else _shardings(skeleton, mesh, specs)
+    shardings = {} if mesh is None else _shardings(cls, skeleton, mesh, specs)
 
     leaves = []
     for kp, leaf in flat:

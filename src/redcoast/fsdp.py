@@ -1,0 +1,164 @@
+"""FSDP's gather at use: a weight split over the data axis is whole there where it is used.
+
+Given weights split over `"data"` and a batch split over `"data"`, XLA's SPMD
+partitioner may meet them by gathering the *activations* over the data axis
+(less traffic when the batch is small), which makes every device hold the whole
+batch's activations -- the opposite of what FSDP is for. So the train step says
+which weights are split over the data axis (`stored_specs`, set around the jitted
+call; `gather_at_use`, inside the traced loss), and a model gathers each one
+where it uses it (`gather`), one layer at a time under `lax.scan`
+(`layer_specs`). Gathered weights are named `GATHERED` so that remat policies
+recompute them in the backward pass instead of keeping every layer's whole copy.
+
+Outside such a step every function here is a no-op, so models stay usable as
+plain functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PyTree
+
+from .mesh import DATA
+
+GATHERED = "fsdp_gathered"
+"""The `checkpoint_name` of weights gathered for use."""
+
+_STORED: contextvars.ContextVar[tuple[P | None, ...] | None] = contextvars.ContextVar(
+    "redcoast_fsdp_stored", default=None
+)
+_USE: contextvars.ContextVar[dict[int, Layout] | None] = contextvars.ContextVar(
+    "redcoast_fsdp_use", default=None
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a weight is stored (split over data) and how it is used (whole over data)."""
+
+    stored: P
+    use: P
+
+    def sliced(self) -> Layout:
+        """The layout of one slice of a stacked weight (its leading axis dropped)."""
+        return Layout(P(*self.stored[1:]), P(*self.use[1:]))
+
+
+def _gather_one(x: jax.Array, layout: Layout) -> jax.Array:
+    # The inner constraint is a no-op going forward (x is stored so); its transpose
+    # sends the gradient back to the stored layout at once (a reduce-scatter), so a
+    # scan's stacked gradients stay split over the data axis, as FSDP keeps them.
+    stored = jax.lax.with_sharding_constraint(x, layout.stored)
+    return checkpoint_name(jax.lax.with_sharding_constraint(stored, layout.use), GATHERED)
+
+
+def _names(entry: Any) -> tuple[Any, ...]:
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def use_spec(spec: P) -> P:
+    """`spec` without the data axis: how a weight stored with `spec` is used."""
+    entries = []
+    for entry in spec:
+        kept = tuple(n for n in _names(entry) if n is not None and n != DATA)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*entries)
+
+
+def data_split(spec: Any) -> bool:
+    """Whether a `PartitionSpec` names the data axis."""
+    return isinstance(spec, P) and any(DATA in _names(e) for e in spec)
+
+
+@contextlib.contextmanager
+def stored_specs(specs: Sequence[P | None] | None) -> Iterator[None]:
+    """While tracing a step: the stored spec of each parameter, in `tree_leaves` order.
+
+    Args:
+        specs: one spec (or `None`) per leaf of `eqx.filter(model, eqx.is_inexact_array)`;
+            `None` (or no spec naming the data axis) turns gathering off.
+    """
+    token = _STORED.set(tuple(specs) if specs and any(map(data_split, specs)) else None)
+    try:
+        yield
+    finally:
+        _STORED.reset(token)
+
+
+@contextlib.contextmanager
+def gather_at_use(params: PyTree) -> Iterator[None]:
+    """Inside the traced loss: map each parameter (by identity) to its spec of use."""
+    stored = _STORED.get()
+    leaves = jax.tree_util.tree_leaves(params)
+    if stored is None or len(stored) != len(leaves):
+        yield
+        return
+    use = {
+        id(x): Layout(s, use_spec(s))
+        for x, s in zip(leaves, stored, strict=True)
+        if s is not None and data_split(s)
+    }
+    token = _USE.set(use)
+    try:
+        yield
+    finally:
+        _USE.reset(token)
+
+
+def layer_specs(tree: PyTree, *, stacked: bool) -> PyTree | None:
+    """The `Layout` of each array of `tree`, or `None` when nothing is to gather.
+
+    Args:
+        tree: a module's arrays as the model received them.
+        stacked: the arrays are stacked layers that `lax.scan` slices; the specs are
+            then those of one slice (the leading axis dropped).
+    """
+    use = _USE.get()
+    if not use:
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    specs = [use.get(id(x)) for x in leaves]
+    if all(s is None for s in specs):
+        return None
+    if stacked:
+        specs = [None if s is None else s.sliced() for s in specs]
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def gather(tree: PyTree, specs: PyTree | None) -> PyTree:
+    """Each array of `tree` whole over the data axis, as `specs` (from `layer_specs`) says.
+
+    The gradient of each gathered array is laid out as the array is stored.
+    """
+    if specs is None:
+        return tree
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    spec_leaves = treedef.flatten_up_to(specs)
+    out = [x if s is None else _gather_one(x, s) for x, s in zip(leaves, spec_leaves, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def gathered(tree: PyTree) -> PyTree:
+    """`tree` (a module used as it is, not sliced by a scan) gathered for use."""
+    return gather(tree, layer_specs(tree, stacked=False))
+
+
+def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
+    # Neither the named weight nor the layout changes that made it: saving the
+    # constraint's output would keep the same whole weight under another name.
+    if prim.name == "sharding_constraint":
+        return False
+    return not (prim.name == "name" and params.get("name") == GATHERED)
+
+
+def remat_policy() -> Any:
+    """The checkpoint policy that keeps everything but gathered weights."""
+    return _not_gathered

@@ -1,0 +1,504 @@
+"""Will it fit? The real train step, compiled on abstract shapes, measured by XLA.
+
+`plan` builds a zoo model's AdamW train step exactly as `fit` runs it -- the
+sharding plan (tensor parallelism, FSDP), the precision and remat policies, the
+global batch split over the data axis -- on `jax.ShapeDtypeStruct`s, so nothing
+is allocated, compiles it for the requested devices, and reads per-device bytes
+from `compiled.memory_analysis()`. Parameters and optimizer state come from the
+shardings (exact); gradients are one copy of the parameters in the master dtype;
+temporaries (gradients, activations, workspace) and the peak come from XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PRNGKeyArray, PyTree
+
+from . import fsdp
+from .mesh import DATA, make_mesh
+from .models import ARCHITECTURES
+from .models.hf import HFConfig, read_config
+from .models.presets import PRESETS, preset
+from .sharding import optimizer_specs, path_str, sharding_plan, sharding_tree
+
+PRECISIONS = ("fp32", "bf16", "pure-bf16")
+REMATS = ("none", "dots", "full")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """`"32GB"` -> 32e9, `"40GiB"` -> 40 * 2**30; ints pass through.
+
+    Raises:
+        ValueError: not a number followed by an optional unit (B, KB, MB, GB, TB, KiB..TiB).
+    """
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"device memory {text!r} is not a size; write e.g. 32GB, 40GiB or 16000000000."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in GB (10**9) with one decimal, or MB below 1 GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a train step is laid out over devices, and run.
+
+    Attributes:
+        devices: all devices of all hosts.
+        n_model_shards: the size of the model axis (tensor parallelism).
+        fsdp: split weights, gradients and optimizer state over the data axis too.
+        precision: `"fp32"`, `"bf16"` (fp32 master weights, bf16 compute) or
+            `"pure-bf16"`.
+        remat: the zoo's per-block policy, `"none"`, `"dots"` or `"full"`.
+        per_device_batch_size: sequences per data-parallel device.
+        seq_len: tokens per sequence.
+    """
+
+    devices: int
+    n_model_shards: int = 1
+    fsdp: bool = False
+    precision: str = "fp32"
+    remat: str = "none"
+    per_device_batch_size: int = 1
+    seq_len: int = 1024
+
+    def __str__(self) -> str:
+        parts = [f"TP {self.n_model_shards}"] if self.n_model_shards > 1 else []
+        n_data = self.devices // self.n_model_shards
+        parts.append(f"FSDP {n_data}" if self.fsdp else f"DP {n_data}")
+        return (
+            " x ".join(parts) + f", {self.precision}, remat {self.remat}, "
+            f"batch {self.per_device_batch_size}/device"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes of one compiled train step, and the verdict.
+
+    Attributes:
+        model: what was planned.
+        n_params: parameters of the model.
+        layout: the layout compiled.
+        params: bytes of parameters per device.
+        opt_state: bytes of optimizer state per device.
+        gradients: bytes of gradients per device (one copy of the parameters in the
+            master dtype, split as they are; part of `temporaries`).
+        temporaries: XLA's temporary bytes (gradients, activations, workspace).
+        peak: arguments + temporaries + outputs that do not reuse donated inputs.
+        device_memory: the budget, or `None`.
+        max_batch: the largest per-device batch that fits, when asked and known.
+        compile_seconds: time to compile the step.
+        tried: other layouts compiled on the way (`--search`), with their peaks.
+    """
+
+    model: str
+    n_params: int
+    layout: Layout
+    params: int
+    opt_state: int
+    gradients: int
+    temporaries: int
+    peak: int
+    device_memory: int | None
+    max_batch: int | None = None
+    compile_seconds: float = 0.0
+    tried: tuple[tuple[str, int | None], ...] = ()
+
+    @property
+    def activations(self) -> int:
+        """Temporaries other than the gradients: activations and workspace."""
+        return max(self.temporaries - self.gradients, 0)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak is within `device_memory` (`None` without a budget)."""
+        return None if self.device_memory is None else self.peak <= self.device_memory
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary of every figure."""
+        out = dataclasses.asdict(self)
+        out["layout"] = dataclasses.asdict(self.layout)
+        out["activations"] = self.activations
+        out["fits"] = self.fits
+        return out
+
+    def __str__(self) -> str:
+        verdict = {None: "", True: "fits", False: "does not fit"}[self.fits]
+        budget = "" if self.device_memory is None else f" of {fmt_bytes(self.device_memory)}"
+        lines = [
+            f"{self.model}: {self.n_params / 1e9:.2f}B parameters, {self.layout.seq_len} tokens, "
+            f"{self.layout.devices} devices",
+            f"layout: {self.layout}",
+            f"per device: parameters {fmt_bytes(self.params)}, optimizer state "
+            f"{fmt_bytes(self.opt_state)}, gradients {fmt_bytes(self.gradients)}, "
+            f"activations and workspace {fmt_bytes(self.activations)}",
+            f"peak: {fmt_bytes(self.peak)}{budget}" + (f": {verdict}" if verdict else ""),
+        ]
+        if self.max_batch is not None:
+            lines.append(f"largest per-device batch that fits: {self.max_batch}")
+        if self.tried:
+            lines.append(
+                "tried: "
+                + "; ".join(
+                    f"{layout}: {'skipped, parameters alone exceed' if p is None else fmt_bytes(p)}"
+                    for layout, p in self.tried
+                )
+            )
+        lines.append(f"compiled in {self.compile_seconds:.1f} s")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _resolve(model: str | HFConfig) -> tuple[str, type[Any], HFConfig]:
+    """A preset name, a config.json (or its folder), or a config -> (name, class, config)."""
+    if isinstance(model, HFConfig):
+        return type(model).__name__, _class_of(model.model_type), model
+    if model in PRESETS:
+        cls, config = preset(model)
+        return model, cls, config
+    path = Path(model)
+    if path.is_file() or (path / "config.json").is_file():
+        folder = path if path.is_dir() else path.parent
+        values = read_config(folder) if path.is_dir() else json.loads(path.read_text())
+        cls = _class_of(values.get("model_type"))
+        return str(model), cls, cls.config_class.from_dict(values)
+    raise ValueError(
+        f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) and not a config.json."
+    )
+
+
+def _class_of(model_type: Any) -> type[Any]:
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"model_type {model_type!r} is not in the zoo; supported: {sorted(ARCHITECTURES)}."
+        )
+    return ARCHITECTURES[model_type]
+
+
+def _heads(config: HFConfig) -> int | None:
+    for name in ("num_attention_heads", "n_head"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _factory(cls: type[Any], config: HFConfig, remat: str) -> Callable[[PRNGKeyArray], Any]:
+    options: dict[str, Any] = {"scan_layers": True}
+    if remat != "none":
+        options["remat"] = remat
+    return lambda key: cls(config, key=key, **options)
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    del key
+    ids = batch["input_ids"]
+    logits = jax.vmap(model)(ids[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def _abstract(tree: PyTree, shardings: PyTree, dtype: Any = None) -> PyTree:
+    def one(leaf: Any, sharding: Any) -> Any:
+        d = leaf.dtype if dtype is None or not jnp.issubdtype(leaf.dtype, jnp.floating) else dtype
+        return jax.ShapeDtypeStruct(leaf.shape, d, sharding=sharding)
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def _local_bytes(tree: PyTree) -> int:
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _compile(
+    make: Callable[[PRNGKeyArray], Any], layout: Layout
+) -> tuple[int, int, int, int, int, int, float]:
+    """(n_params, params, opt_state, gradients, temporaries, peak, seconds) per device."""
+    from .step import train_step
+
+    devices = jax.devices()[: layout.devices]
+    mesh = make_mesh(layout.n_model_shards, devices=devices)
+    n_data = layout.devices // layout.n_model_shards
+    key = jax.random.key(0)
+    abstract = eqx.filter_eval_shape(make, key)
+    specs = sharding_plan(
+        abstract,
+        layout.n_model_shards,
+        example_call=getattr(type(abstract), "trace_call", None),
+        fsdp=n_data if layout.fsdp else 1,
+    ).specs
+    shardings = sharding_tree(abstract, mesh, specs)
+    arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    master = jnp.bfloat16 if layout.precision == "pure-bf16" else None
+    params = _abstract(arrays, shardings, master)
+    optimizer = optax.adamw(1e-4)
+    state = jax.eval_shape(optimizer.init, params)
+    flat_params = [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    flat_state, state_def = jax.tree_util.tree_flatten_with_path(state)
+    state_specs = optimizer_specs(
+        [(path_str(p), x) for p, x in flat_state],
+        flat_params,
+        {k: x.sharding.spec for k, x in flat_params},
+    )
+    state = jax.tree_util.tree_unflatten(
+        state_def,
+        [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, state_specs[k]))
+            for k, x in ((path_str(p), x) for p, x in flat_state)
+        ],
+    )
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct(
+            (layout.per_device_batch_size * n_data, layout.seq_len + 1),
+            jnp.int32,
+            sharding=NamedSharding(mesh, P(DATA)),
+        )
+    }
+    options: dict[str, Any] = {}
+    if layout.precision != "fp32":
+        options["precision"] = layout.precision
+    step = train_step(_loss, optimizer, mesh=mesh, jit=False, **options)
+
+    def run(p: Any, s: Any, b: Any, k: Any) -> Any:
+        model, s, metrics = step(eqx.combine(p, static), s, b, k)
+        return eqx.filter(model, eqx.is_array), s, metrics
+
+    key_shape = jax.eval_shape(lambda: key)
+    start = time.perf_counter()
+    param_specs = [x.sharding.spec for x in jax.tree_util.tree_leaves(params)]
+    with fsdp.stored_specs(param_specs):
+        lowered = jax.jit(run, donate_argnums=(0, 1)).lower(params, state, batch, key_shape)
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(f"XLA gave no memory analysis for {jax.default_backend()}.")
+    param_bytes = _local_bytes(params)
+    state_bytes = _local_bytes(state)
+    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+    grads = param_bytes  # one gradient per parameter, in the parameters' dtype
+    temp = int(stats.temp_size_in_bytes)
+    outputs = int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes)
+    peak = int(stats.argument_size_in_bytes) + temp + max(outputs, 0)
+    return n_params, param_bytes, state_bytes, grads, temp, peak, seconds
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _check_layout(layout: Layout, config: HFConfig | None) -> None:
+    if layout.precision not in PRECISIONS:
+        raise ValueError(f"precision {layout.precision!r}: choose one of {PRECISIONS}.")
+    if layout.remat not in REMATS:
+        raise ValueError(f"remat {layout.remat!r}: choose one of {REMATS}.")
+    for name in ("devices", "n_model_shards", "per_device_batch_size", "seq_len"):
+        value = getattr(layout, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if layout.devices % layout.n_model_shards:
+        raise ValueError(
+            f"{layout.n_model_shards} model shards do not divide {layout.devices} devices."
+        )
+    heads = None if config is None else _heads(config)
+    if heads is not None and heads % layout.n_model_shards:
+        raise ValueError(
+            f"{layout.n_model_shards} model shards do not divide the model's {heads} attention "
+            f"heads; choose a divisor of {heads}."
+        )
+    positions = None if config is None else getattr(config, "max_position_embeddings", None)
+    positions = positions or (None if config is None else getattr(config, "n_positions", None))
+    if isinstance(positions, int) and layout.seq_len > positions:
+        raise ValueError(
+            f"seq_len {layout.seq_len} is longer than the model's {positions} positions."
+        )
+    if jax.device_count() < layout.devices:
+        raise ValueError(
+            f"planning for {layout.devices} devices needs {layout.devices} devices to compile "
+            f"for; this process has {jax.device_count()}. Simulate them with "
+            f'jax.config.update("jax_num_cpu_devices", {layout.devices}) before JAX starts, '
+            "or run `redcoast plan`, which does."
+        )
+
+
+def _measure(
+    name: str, make: Callable[[PRNGKeyArray], Any], layout: Layout, device_memory: int | None
+) -> MemoryPlan:
+    n_params, params, state, grads, temp, peak, seconds = _compile(make, layout)
+    return MemoryPlan(
+        name, n_params, layout, params, state, grads, temp, peak, device_memory, None, seconds
+    )
+
+
+def _max_batch(
+    name: str, make: Callable[[PRNGKeyArray], Any], first: MemoryPlan, budget: int
+) -> int | None:
+    """The largest per-device batch whose peak fits: linear in the batch, then checked."""
+    b = first.layout.per_device_batch_size
+    if first.peak > budget:
+        return None
+    second = _measure(
+        name, make, dataclasses.replace(first.layout, per_device_batch_size=2 * b), None
+    )
+    slope = (second.peak - first.peak) / b
+    if slope <= 0:
+        return None
+    guess = b + int((budget - first.peak) // slope)
+    for _ in range(4):
+        if guess <= b:
+            return b
+        layout = dataclasses.replace(first.layout, per_device_batch_size=guess)
+        peak = _measure(name, make, layout, None).peak
+        if peak <= budget:
+            return guess
+        guess = b + int((guess - b) * budget / peak) - 1
+    return b
+
+
+def _candidates(layout: Layout, config: HFConfig | None) -> Iterator[Layout]:
+    """Layouts cheapest first: no remat before dots before full; fewer model shards first
+    (tensor parallelism moves activations in every layer); without FSDP before with."""
+    heads = None if config is None else _heads(config)
+    shards = [
+        t
+        for t in range(1, min(layout.devices, 8) + 1)
+        if layout.devices % t == 0 and (heads is None or heads % t == 0)
+    ]
+    for remat in REMATS:
+        for t in shards:
+            for split in (False, True):
+                yield dataclasses.replace(layout, n_model_shards=t, fsdp=split, remat=remat)
+
+
+def _floor(n_params: int, layout: Layout) -> float:
+    """Parameters + AdamW state + gradients per device if perfectly divided."""
+    master = 2 if layout.precision == "pure-bf16" else 4
+    ways = layout.devices if layout.fsdp else layout.n_model_shards
+    return n_params * (4 * master) / ways
+
+
+def plan(
+    model: str | HFConfig | Callable[[PRNGKeyArray], Any],
+    *,
+    devices: int,
+    n_model_shards: int = 1,
+    fsdp: bool = False,
+    seq_len: int = 1024,
+    per_device_batch_size: int = 1,
+    precision: str = "fp32",
+    remat: str = "none",
+    device_memory: int | str | None = None,
+    search: bool = False,
+    max_batch: bool = True,
+) -> MemoryPlan:
+    """Compile the AdamW train step for `devices` devices on abstract shapes and measure it.
+
+    Args:
+        model: a preset name (`"llama-7b"`, see `redcoast.models.presets.PRESETS`), a
+            `config.json` path (or its folder), a zoo config, or a factory
+            `key -> causal LM` (it then decides its own remat).
+        devices: how many devices; this process must have that many (simulate them
+            on a CPU with `jax_num_cpu_devices`; `redcoast plan` does).
+        n_model_shards: the model axis size (tensor parallelism).
+        fsdp: split weights, gradients and optimizer state over the data axis too.
+        seq_len: tokens per sequence.
+        per_device_batch_size: sequences per data-parallel device.
+        precision: `"fp32"`, `"bf16"` or `"pure-bf16"`.
+        remat: `"none"`, `"dots"` or `"full"` (zoo models).
+        device_memory: bytes per device (`"32GB"`, `"40GiB"` or an int) to judge fit.
+        search: find the cheapest layout that fits `device_memory` instead (see
+            `_candidates` for the order); the given layout is the first tried.
+        max_batch: with `device_memory`, also find the largest per-device batch that
+            fits (two or three more compiles).
+
+    Returns:
+        A `MemoryPlan`; `str()` is a readable report, `.to_dict()` JSON.
+
+    Raises:
+        ValueError: an unknown model, or a layout that cannot work (shards that do
+            not divide the devices or the heads, too few devices, bad names); the
+            message says which and what would.
+
+    Example:
+        >>> print(rc.plan("llama-7b", devices=4, n_model_shards=4, seq_len=1024,
+        ...               remat="full", device_memory="40GB"))
+    """
+    budget = None if device_memory is None else parse_bytes(device_memory)
+    layout = Layout(devices, n_model_shards, fsdp, precision, remat, per_device_batch_size, seq_len)
+    if callable(model) and not isinstance(model, str | HFConfig):
+        if remat != "none" or search:
+            raise ValueError(
+                "a model factory decides its own remat; pass a preset or config to plan "
+                "remat or to search layouts."
+            )
+        name, config, make_for = "model", None, (lambda _r, f=model: f)
+    else:
+        name, cls, config = _resolve(model)
+        make_for = lambda r: _factory(cls, config, r)  # noqa: E731
+    _check_layout(layout, config)
+    if search:
+        if budget is None:
+            raise ValueError("search needs device_memory, the budget a layout must fit in.")
+        result = _search(name, make_for, layout, config, budget)
+    else:
+        result = _measure(name, make_for(remat), layout, budget)
+    if max_batch and budget is not None and result.fits:
+        found = _max_batch(name, make_for(result.layout.remat), result, budget)
+        result = dataclasses.replace(result, max_batch=found)
+    return result
+
+
+def _search(
+    name: str,
+    make_for: Callable[[str], Callable[[PRNGKeyArray], Any]],
+    layout: Layout,
+    config: HFConfig | None,
+    budget: int,
+) -> MemoryPlan:
+    tried: list[tuple[str, int | None]] = []
+    n_params = None
+    last: MemoryPlan | None = None
+    for candidate in _candidates(layout, config):
+        if n_params is not None and _floor(n_params, candidate) > budget:
+            tried.append((str(candidate), None))
+            continue
+        last = _measure(name, make_for(candidate.remat), candidate, budget)
+        n_params = last.n_params
+        if last.fits:
+            return dataclasses.replace(last, tried=tuple(tried))
+        tried.append((str(candidate), last.peak))
+    assert last is not None
+    return dataclasses.replace(last, tried=tuple(tried))

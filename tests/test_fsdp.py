@@ -1,0 +1,221 @@
+"""Models that do not fit one device: FSDP from the plan, sharded initialisation.
+
+FSDP (`fsdp=` on the plan) adds the data axis to every weight; these tests check
+that the step it gives equals the unsharded step, that the parameters and the
+optimizer state really are divided by every device, that a model built by
+`sharded_init` holds only its shards and equals the model built whole, and that
+checkpoints move between FSDP and tensor-parallel layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import redcoast as rc
+
+IDS = jnp.asarray(np.random.default_rng(0).integers(0, 128, (8, 16)), jnp.int32)
+LLAMA = rc.models.LlamaConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
+GPT2 = rc.models.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+
+
+def make(arch: str, scan_layers: bool) -> Callable[[jax.Array], rc.models.AbstractCausalLM]:
+    if arch == "llama":
+        return lambda k: rc.models.Llama(LLAMA, scan_layers=scan_layers, key=k)
+    return lambda k: rc.models.GPT2(GPT2, scan_layers=scan_layers, key=k)
+
+
+def loss_fn(model: rc.models.AbstractCausalLM, batch: dict, key: jax.Array) -> jax.Array:
+    logits = jax.vmap(model)(batch["ids"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
+
+
+def arrays(tree: object) -> list[jax.Array]:
+    return jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
+
+
+def specs_of(tree: object) -> list[P]:
+    return [x.sharding.spec for x in arrays(tree)]
+
+
+def local_bytes(tree: object) -> int:
+    """Bytes of `tree` that device 0 holds."""
+    return sum(x.addressable_shards[0].data.nbytes for x in arrays(tree))
+
+
+def run_steps(
+    model: object,
+    mesh: object | None,
+    n: int = 3,
+    optimizer: optax.GradientTransformation | None = None,
+) -> tuple[object, object, list]:
+    optimizer = optax.adamw(1e-2) if optimizer is None else optimizer
+    # The step as fit runs it: jitted, donating, told which weights are split over data.
+    step = rc.train_step(loss_fn, optimizer, mesh=mesh)
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    batch = {"ids": IDS}
+    if mesh is not None:
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    losses = []
+    for i in range(n):
+        model, state, metrics = step(model, state, batch, jax.random.key(i))
+        losses.append(float(metrics["loss"]))
+    return model, state, losses
+
+
+@pytest.mark.parametrize(
+    ("arch", "n_model", "scan_layers"),
+    [
+        pytest.param("llama", 1, True, marks=pytest.mark.slow),
+        ("llama", 2, True),
+        pytest.param("gpt2", 1, False, marks=pytest.mark.slow),
+        pytest.param("gpt2", 4, False, marks=pytest.mark.slow),
+    ],
+    ids=["fsdp-llama-scan", "tp2xfsdp-llama-scan", "fsdp-gpt2", "tp4xfsdp-gpt2"],
+)
+def test_fsdp_train_steps_equal_the_unsharded_steps(
+    arch: str, n_model: int, scan_layers: bool
+) -> None:
+    mesh = rc.make_mesh(n_model)
+    n_data = 8 // n_model
+    whole = make(arch, scan_layers)(jax.random.key(0))
+    placed = rc.place(
+        make(arch, scan_layers)(jax.random.key(0)),
+        mesh,
+        example_call=lambda m: loss_fn(m, {"ids": IDS}, jax.random.key(0)),
+        fsdp=True,
+    )
+    # Every weight of the model names the data axis (these shapes all divide).
+    assert all("data" in str(spec) for spec in specs_of(placed))
+    total = sum(x.nbytes for x in arrays(whole))
+    assert local_bytes(placed) <= 1.10 * total / 8
+
+    # SGD with momentum: Adam divides by the root of tiny second moments, which
+    # turns a rounding difference of a near-zero gradient into a visible one.
+    optimizer = optax.sgd(0.5, momentum=0.9)
+    layout = specs_of(placed)
+    want, _, want_losses = run_steps(whole, None, optimizer=optimizer)
+    got, got_state, got_losses = run_steps(placed, mesh, optimizer=optimizer)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for g, w in zip(arrays(got), arrays(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert specs_of(got) == layout  # the step keeps the layout
+    # The optimizer's momentum is divided by every device too, not gathered.
+    moments = [x for x in arrays(got_state) if x.ndim > 0]
+    assert sum(x.addressable_shards[0].data.nbytes for x in moments) <= 1.10 * total / 8
+    assert n_data * n_model == 8
+
+
+def test_sharded_init_holds_only_shards_and_equals_the_model_built_whole() -> None:
+    mesh = rc.make_mesh(2)  # 4 x 2
+    build = make("llama", True)
+    model = rc.sharded_init(build, jax.random.key(3), mesh, fsdp=True)
+    whole = build(jax.random.key(3))
+    for got, want in zip(arrays(model), arrays(whole), strict=True):
+        shard_shape = got.sharding.shard_shape(got.shape)
+        assert all(s.data.shape == shard_shape for s in got.addressable_shards)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert local_bytes(model) <= 1.10 * sum(x.nbytes for x in arrays(whole)) / 8
+    # The statics (config, activation functions) are the model's own.
+    assert model.config == whole.config
+    logits = eqx.filter_jit(lambda m: jax.vmap(m)(IDS))
+    np.testing.assert_allclose(logits(model), logits(whole), rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_init_rejects_specs_that_do_not_fit() -> None:
+    mesh = rc.make_mesh(2)
+    build = make("gpt2", False)
+    abstract = eqx.filter_eval_shape(build, jax.random.key(0))
+    specs = jax.tree.map(lambda _: P(None, "model"), eqx.filter(abstract, eqx.is_array))
+    with pytest.raises(ValueError, match="spec"):
+        rc.sharded_init(build, jax.random.key(0), mesh, specs=specs)
+
+
+@pytest.mark.slow
+def test_fit_with_fsdp_matches_fit_without(tmp_path: Path) -> None:
+    examples = [{"ids": np.asarray(row)} for row in np.asarray(IDS)] * 4
+
+    def collate(rows: list) -> dict:
+        return {"ids": np.stack([r["ids"] for r in rows])}
+
+    results = {}
+    for fsdp in (False, True):
+        results[fsdp] = rc.fit(
+            make("llama", True)(jax.random.key(0)),
+            optax.adamw(1e-2),
+            examples,
+            collate_fn=collate,
+            loss_fn=loss_fn,
+            mesh=rc.make_mesh(2),
+            per_device_batch_size=2,
+            max_steps=3,
+            fsdp=fsdp,
+            progress=False,
+            log_every=1,
+        )
+    losses = {k: [h["loss"] for h in r.history["train"]] for k, r in results.items()}
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    assert all("data" in str(s) for s in specs_of(results[True].model))
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_fsdp_and_tensor_parallel_layouts(tmp_path: Path) -> None:
+    mesh = rc.make_mesh(2)
+    build = make("llama", True)
+    fsdp_model = rc.sharded_init(build, jax.random.key(5), mesh, fsdp=True)
+    optimizer = optax.adamw(1e-2)
+    fsdp_model, fsdp_state, _ = run_steps(fsdp_model, mesh, n=1)
+    rc.save_checkpoint(tmp_path / "ck", model=fsdp_model, opt_state=fsdp_state, step=1)
+
+    abstract = eqx.filter_eval_shape(build, jax.random.key(0))
+    tp_plan = rc.sharding_plan(abstract, 2, example_call=type(abstract).trace_call)
+    like = rc.sharded_init(build, jax.random.key(0), mesh, specs=tp_plan)
+    state_like = optimizer.init(eqx.filter(like, eqx.is_inexact_array))
+    tp = rc.load_checkpoint(
+        tmp_path / "ck", like=like, opt_state_like=state_like, mesh=mesh, specs=tp_plan
+    )
+    assert not any("data" in str(s) for s in specs_of(tp.model))
+    for a, b in zip(arrays(tp.model), arrays(fsdp_model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(arrays(tp.opt_state), arrays(fsdp_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # And back: a tensor-parallel checkpoint into the FSDP layout.
+    rc.save_checkpoint(tmp_path / "tp", model=tp.model, opt_state=tp.opt_state, step=1)
+    fsdp_plan = rc.sharding_plan(abstract, 2, example_call=type(abstract).trace_call, fsdp=4)
+    back = rc.load_checkpoint(
+        tmp_path / "tp", like=like, opt_state_like=state_like, mesh=mesh, specs=fsdp_plan
+    )
+    assert all("data" in str(s) for s in specs_of(back.model))
+    for a, b in zip(arrays(back.model), arrays(fsdp_model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fsdp_plan_never_splits_the_scanned_layer_axis_and_reports_what_it_cannot_split() -> None:
+    abstract = eqx.filter_eval_shape(make("llama", True), jax.random.key(0))
+    plan = rc.sharding_plan(abstract, 1, example_call=type(abstract).trace_call, fsdp=8)
+    for leaf in plan.leaves:
+        if leaf.path.startswith("blocks."):
+            assert leaf.spec[0] is None, leaf
+    assert plan.bytes_per_device <= 1.10 * plan.total_bytes / 8
+    odd = rc.sharding_plan(abstract, 1, example_call=type(abstract).trace_call, fsdp=3)
+    assert any("no dimension divides into 3 data shards" in note for note in odd.notes)
+    with pytest.raises(ValueError, match="fsdp must be >= 1"):
+        rc.sharding_plan(abstract, 1, fsdp=0)
