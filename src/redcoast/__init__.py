@@ -7,6 +7,7 @@ split into; redcoast builds the mesh, splits every weight, and runs the steps.
 from importlib import metadata as _metadata
 
 from . import distributed as distributed
+from . import fsdp as fsdp
 from . import models as models
 from .checkpoint import Checkpoint as Checkpoint
 from .checkpoint import CheckpointError as CheckpointError
@@ -31,6 +32,8 @@ from .loop import every as every
 from .mesh import make_mesh as make_mesh
 from .place import place as place
 from .place import sharded_init as sharded_init
+from .planner import MemoryPlan as MemoryPlan
+from .planner import plan as plan
 from .sharding import ShardingPlan as ShardingPlan
 from .sharding import shard as shard
 from .sharding import sharding_plan as sharding_plan

@@ -14,8 +14,7 @@ from typing import Any
 import click
 
 from . import __version__
-
-_PLANNED = ("gpt2", "llama", "opt", "gptj", "mlp")
+from .planner import PRECISIONS, REMATS
 
 
 def _simulate_devices(n: int) -> None:
@@ -270,62 +269,58 @@ def run() -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Choice(_PLANNED))
-@click.option("-n", "--n-model-shards", default=2, show_default=True, help="Model-axis size.")
-@click.option("--no-trace", is_flag=True, help="Alternate by declaration order instead.")
-def plan(model: str, n_model_shards: int, no_trace: bool) -> None:
-    """Print the sharding plan of a small zoo MODEL (or the zoo's MLP block): every
-    weight's split and why."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
+@click.argument("model")
+@click.option("--devices", default=8, show_default=True, help="Devices of all hosts.")
+@click.option("-n", "--n-model-shards", default=1, show_default=True, help="Model-axis size.")
+@click.option("--fsdp", is_flag=True, help="Split weights over the data axis too (ZeRO-3).")
+@click.option("--seq-len", default=1024, show_default=True, help="Tokens per sequence.")
+@click.option("--per-device-batch-size", default=1, show_default=True, help="Sequences per device.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@click.option("--remat", type=click.Choice(REMATS), default="none", show_default=True)
+@click.option("--device-memory", default=None, help="Memory per device, e.g. 32GB or 40GiB.")
+@click.option("--search", is_flag=True, help="Find the cheapest layout that fits.")
+@click.option("--specs", is_flag=True, help="Also print every weight's split and why.")
+@click.option("--json", "json_path", default=None, help="Also write the figures to this file.")
+def plan(
+    model: str,
+    devices: int,
+    n_model_shards: int,
+    fsdp: bool,
+    seq_len: int,
+    per_device_batch_size: int,
+    precision: str,
+    remat: str,
+    device_memory: str | None,
+    search: bool,
+    specs: bool,
+    json_path: str | None,
+) -> None:
+    """Will MODEL train on this hardware? MODEL is a zoo preset (gpt2-large, llama-7b,
+    gpt-j-6b, opt-13b, opt-66b, ...) or a config.json. Compiles the AdamW train step
+    for simulated devices on abstract shapes and reports memory per device."""
+    _simulate_devices(devices)
+    from . import planner
 
-    from . import models
-    from .sharding import sharding_plan
-
-    key = jax.random.key(0)
-    builders = {
-        "gpt2": lambda: models.GPT2(
-            models.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4),
-            key=key,
-        ),
-        "llama": lambda: models.Llama(
-            models.LlamaConfig(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=172,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            ),
-            key=key,
-        ),
-        "opt": lambda: models.OPT(
-            models.OPTConfig(
-                vocab_size=256,
-                hidden_size=64,
-                ffn_dim=256,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                max_position_embeddings=64,
-            ),
-            key=key,
-        ),
-        "gptj": lambda: models.GPTJ(
-            models.GPTJConfig(
-                vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8
-            ),
-            key=key,
-        ),
-        "mlp": lambda: models.MLP(64, 256, key=key),
-    }
-    built: eqx.Module = builders[model]()
-    x = jnp.ones((2, 16, 64)) if model == "mlp" else jnp.zeros((2, 16), jnp.int32)
-    call = None if no_trace else (lambda m: jax.vmap(m)(x))
     try:
-        click.echo(str(sharding_plan(built, n_model_shards, example_call=call)))
+        result = planner.plan(
+            model,
+            devices=devices,
+            n_model_shards=n_model_shards,
+            fsdp=fsdp,
+            seq_len=seq_len,
+            per_device_batch_size=per_device_batch_size,
+            precision=precision,
+            remat=remat,
+            device_memory=device_memory,
+            search=search,
+        )
+        if specs:
+            click.echo(str(planner.sharding_plan_of(model, result.layout)) + "\n")
     except (ValueError, TypeError) as err:
         raise click.ClickException(str(err)) from err
+    click.echo(str(result))
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -142,7 +142,7 @@ class AbstractCausalLM(eqx.Module):
         The ids come from outside the trace (a constant), which is what the rules
         take for data: made inside it they would look like a position table's iota.
         """
-        return self(_TRACE_IDS)
+        return self(jnp.asarray(_TRACE_IDS))
 
     def __call__(
         self, input_ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None

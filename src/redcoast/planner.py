@@ -34,7 +34,7 @@ from .mesh import DATA, make_mesh
 from .models import ARCHITECTURES
 from .models.hf import HFConfig, read_config
 from .models.presets import PRESETS, preset
-from .sharding import optimizer_specs, path_str, sharding_plan, sharding_tree
+from .sharding import ShardingPlan, optimizer_specs, path_str, sharding_plan, sharding_tree
 
 PRECISIONS = ("fp32", "bf16", "pure-bf16")
 REMATS = ("none", "dots", "full")
@@ -59,7 +59,7 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def fmt_bytes(n: float) -> str:
+def fmt_bytes(n: int | float) -> str:
     """Bytes in GB (10**9) with one decimal, or MB below 1 GB."""
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
@@ -244,6 +244,23 @@ def _local_bytes(tree: PyTree) -> int:
     return total
 
 
+def _plan_specs(abstract: Any, layout: Layout) -> ShardingPlan:
+    n_data = layout.devices // layout.n_model_shards
+    return sharding_plan(
+        abstract,
+        layout.n_model_shards,
+        example_call=getattr(type(abstract), "trace_call", None),
+        fsdp=n_data if layout.fsdp else 1,
+    )
+
+
+def sharding_plan_of(model: str | HFConfig, layout: Layout) -> ShardingPlan:
+    """The `ShardingPlan` `plan` uses for a preset or config under `layout`."""
+    _, cls, config = _resolve(model)
+    abstract = eqx.filter_eval_shape(_factory(cls, config, layout.remat), jax.random.key(0))
+    return _plan_specs(abstract, layout)
+
+
 def _compile(
     make: Callable[[PRNGKeyArray], Any], layout: Layout
 ) -> tuple[int, int, int, int, int, int, float]:
@@ -255,12 +272,7 @@ def _compile(
     n_data = layout.devices // layout.n_model_shards
     key = jax.random.key(0)
     abstract = eqx.filter_eval_shape(make, key)
-    specs = sharding_plan(
-        abstract,
-        layout.n_model_shards,
-        example_call=getattr(type(abstract), "trace_call", None),
-        fsdp=n_data if layout.fsdp else 1,
-    ).specs
+    specs = _plan_specs(abstract, layout).specs
     shardings = sharding_tree(abstract, mesh, specs)
     arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     master = jnp.bfloat16 if layout.precision == "pure-bf16" else None

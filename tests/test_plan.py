@@ -1,0 +1,142 @@
+"""The memory planner: its figures are XLA's for the real step, its verdicts follow arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from click.testing import CliRunner
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import redcoast as rc
+from redcoast import fsdp
+from redcoast.cli import main
+from redcoast.step import stored_specs
+
+SMALL = rc.models.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+
+
+def lm_loss(model: rc.models.AbstractCausalLM, batch: dict, key: jax.Array) -> jax.Array:
+    ids = batch["input_ids"]
+    logits = jax.vmap(model)(ids[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n_model", "use_fsdp"), [(2, False), (2, True)], ids=["tp", "tp-fsdp"])
+def test_the_planners_peak_is_the_real_compiled_steps(n_model: int, use_fsdp: bool) -> None:
+    planned = rc.plan(
+        SMALL,
+        devices=8,
+        n_model_shards=n_model,
+        fsdp=use_fsdp,
+        seq_len=32,
+        per_device_batch_size=2,
+        max_batch=False,
+    )
+    mesh = rc.make_mesh(n_model)
+    model = rc.sharded_init(
+        lambda k: rc.models.GPT2(SMALL, scan_layers=True, key=k),
+        jax.random.key(0),
+        mesh,
+        fsdp=use_fsdp,
+    )
+    optimizer = optax.adamw(1e-4)
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    ids = np.zeros((2 * mesh.shape["data"], 33), np.int32)
+    batch = {"input_ids": jax.device_put(ids, NamedSharding(mesh, P("data")))}
+    core = rc.train_step(lm_loss, optimizer, mesh=mesh, jit=False)
+    with fsdp.stored_specs(stored_specs(model)):
+        lowered = eqx.filter_jit(core, donate="all").lower(model, state, batch, jax.random.key(0))
+    stats = lowered.compile().compiled.memory_analysis()  # equinox wraps jax's Compiled
+    assert stats is not None
+    real = (
+        stats.argument_size_in_bytes
+        + stats.temp_size_in_bytes
+        + max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0)
+    )
+    assert abs(planned.peak - real) <= 0.05 * real, (planned.peak, real)
+    # Parameters per device are exactly what the placed model holds.
+    held = sum(
+        x.addressable_shards[0].data.nbytes
+        for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    )
+    assert planned.params == held
+
+
+@pytest.mark.slow
+def test_verdicts_follow_arithmetic() -> None:
+    # LLaMA-7B in fp32 with AdamW needs 16 bytes a parameter: 108 GB on one 40 GB device.
+    alone = rc.plan("llama-7b", devices=1, seq_len=128, device_memory="40GB", max_batch=False)
+    assert alone.fits is False
+    assert alone.params + alone.opt_state >= 12 * alone.n_params
+    assert "does not fit" in str(alone)
+    small = rc.plan(SMALL, devices=8, n_model_shards=2, seq_len=32, device_memory="1GB")
+    assert small.fits is True
+    assert small.max_batch is not None and small.max_batch > 1
+    bigger = rc.plan(
+        SMALL,
+        devices=8,
+        n_model_shards=2,
+        seq_len=32,
+        per_device_batch_size=small.max_batch,
+        device_memory="1GB",
+        max_batch=False,
+    )
+    assert bigger.fits
+
+
+@pytest.mark.slow
+def test_search_finds_a_layout_that_fits_where_the_given_one_does_not() -> None:
+    given = rc.plan(SMALL, devices=8, seq_len=32, max_batch=False)
+    budget = int(given.peak * 0.6)
+    found = rc.plan(
+        SMALL, devices=8, seq_len=32, device_memory=budget, search=True, max_batch=False
+    )
+    assert found.fits
+    assert found.layout != given.layout
+    assert found.tried  # the given layout was tried first and did not fit
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": "llama-70b", "devices": 8}, "unknown model 'llama-70b'"),
+        ({"model": "gpt2", "devices": 8, "n_model_shards": 3}, "do not divide 8 devices"),
+        ({"model": "gpt2-large", "devices": 8, "n_model_shards": 8}, "20 attention heads"),
+        ({"model": "gpt2", "devices": 64}, "this process has 8"),
+        ({"model": "gpt2", "devices": 8, "precision": "fp8"}, "precision 'fp8'"),
+        ({"model": "gpt2", "devices": 8, "device_memory": "lots"}, "is not a size"),
+        ({"model": "gpt2", "devices": 8, "seq_len": 4096}, "longer than the model's 1024"),
+    ],
+)
+def test_layouts_that_cannot_work_get_one_clear_line(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        rc.plan(**kwargs)
+
+
+@pytest.mark.slow
+def test_cli_plans_and_reports(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(
+        main,
+        [
+            *("plan", "gpt2", "-n", "2", "--seq-len", "64", "--device-memory", "4GB"),
+            *("--specs", "--json", str(out)),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "blocks.attn.q_proj.weight" in result.output  # --specs: every weight's split
+    assert "peak:" in result.output and "fits" in result.output
+    figures = json.loads(out.read_text())
+    assert figures["fits"] is True and figures["layout"]["n_model_shards"] == 2
+    bad = CliRunner().invoke(main, ["plan", "resnet"])
+    assert bad.exit_code != 0 and "unknown model 'resnet'" in bad.output
+    assert "Traceback" not in bad.output
