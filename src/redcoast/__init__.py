@@ -30,6 +30,8 @@ from .loop import LoopState as LoopState
 from .loop import every as every
 from .mesh import make_mesh as make_mesh
 from .place import place as place
+from .precision import cast as cast
+from .rematerialisation import remat as remat
 from .sharding import ShardingPlan as ShardingPlan
 from .sharding import shard as shard
 from .sharding import sharding_plan as sharding_plan

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
 
+from ..rematerialisation import RematPolicy, remat
 from . import hf
 from .checks import check_range
 from .layers import DecoderBlock, KVCache, Norm
@@ -61,6 +62,12 @@ def make_blocks(
     return tuple(make(k) for k in keys)
 
 
+def _run_block(
+    block: DecoderBlock, x: Float[Array, "seq hidden"], positions: Real[Array, " seq"]
+) -> Float[Array, "seq hidden"]:
+    return block(x, positions)[0]
+
+
 class AbstractCausalLM(eqx.Module):
     """A decoder-only language model: embed, `DecoderBlock`s, final norm, vocabulary head.
 
@@ -69,7 +76,13 @@ class AbstractCausalLM(eqx.Module):
     `Llama`, `OPT`, `GPTJ`.
 
     Every concrete model also has a static `config`, its hyperparameters named as in
-    the model's Hugging Face config.json.
+    the model's Hugging Face config.json, and a static `remat`: the rematerialisation
+    policy of each block in the training forward pass (`"none"`, `"dots"`, `"full"`;
+    see `redcoast.rematerialisation`).
+
+    The models follow their parameters' dtype: in bfloat16 the matmuls run in
+    bfloat16 while norms and the attention softmax compute in float32, and the
+    logits are returned in float32 so that a cross-entropy on them is float32.
 
     Attributes:
         embed_tokens: the token embeddings.
@@ -85,6 +98,7 @@ class AbstractCausalLM(eqx.Module):
     norm: eqx.AbstractVar[Norm]
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
     config: eqx.AbstractVar[Any]
+    remat: eqx.AbstractVar[RematPolicy]
 
     config_class: ClassVar[type[hf.HFConfig]]
     # OPT's position table starts at row 2 (rows 0 and 1 are a fairseq leftover).
@@ -225,6 +239,8 @@ class AbstractCausalLM(eqx.Module):
             logits = h @ self.embed_tokens.weight.T
         else:
             logits = jax.vmap(self.lm_head)(h)
+        # The head's matmul runs in the parameters' dtype; the loss on its output in float32.
+        logits = logits.astype(jnp.float32)
         vocab = self.config.vocab_size
         if logits.shape[-1] == vocab:
             return logits
@@ -240,20 +256,30 @@ class AbstractCausalLM(eqx.Module):
         cache: Cache | None,
         index: Int[Array, ""] | int,
     ) -> tuple[Float[Array, "seq hidden"], Cache | None]:
+        # Training runs each block under the remat policy; the cached (decoding) path
+        # computes no gradients, so there is nothing to rematerialise.
+        policy = self.remat if cache is None else "none"
         if isinstance(self.blocks, DecoderBlock):
             assert cache is None or isinstance(cache, KVCache)
             params, static = eqx.partition(self.blocks, eqx.is_array)
 
-            def body(
-                h: Float[Array, "seq hidden"], layer: tuple[PyTree, KVCache | None]
+            def layer(
+                h: Float[Array, "seq hidden"], p: PyTree, c: KVCache | None
             ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-                p, c = layer
                 return eqx.combine(p, static)(h, positions, c, index)
+
+            layer = remat(layer, policy)
+
+            def body(
+                h: Float[Array, "seq hidden"], xs: tuple[PyTree, KVCache | None]
+            ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
+                return layer(h, *xs)
 
             return jax.lax.scan(body, x, (params, cache))
         if cache is None:
+            run = remat(_run_block, policy)
             for block in self.blocks:
-                x, _ = block(x, positions)
+                x = run(block, x, positions)
             return x, None
         assert isinstance(cache, tuple)
         new = []
@@ -273,6 +299,7 @@ class AbstractCausalLM(eqx.Module):
         dtype: DTypeLike | None = None,
         scan_layers: bool = False,
         vocab_multiple: int = 1,
+        remat: str = "none",
     ) -> _Model:
         """Load a `transformers` `save_pretrained` folder (config.json + safetensors).
 
@@ -294,6 +321,7 @@ class AbstractCausalLM(eqx.Module):
                 this (Megatron-LM's `128 * n_model_shards`), so the vocabulary splits
                 evenly over the model axis; the padded logits are masked and `to_hf`
                 writes the original rows.
+            remat: the blocks' rematerialisation policy (`"none"`, `"dots"`, `"full"`).
 
         Returns:
             The model.
@@ -314,6 +342,7 @@ class AbstractCausalLM(eqx.Module):
             dtype=dtype,
             scan_layers=scan_layers,
             vocab_multiple=vocab_multiple,
+            remat=remat,
         )
 
     def to_hf(self, path: str | Path) -> None:
