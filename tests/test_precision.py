@@ -144,7 +144,6 @@ def _temp_bytes(model, precision="fp32", batch=8, seq=128):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.slow
 def test_full_remat_at_least_halves_the_compiled_steps_temporaries():
     # 8 scanned layers, 256 wide, sequences of 128: activations dominate the temporaries.
     config = GPT2Config(vocab_size=512, n_positions=128, n_embd=256, n_layer=8, n_head=8)
