@@ -232,6 +232,27 @@ def test_pure_bf16_stores_and_trains_in_bfloat16():
     assert losses[-3:].mean() < 0.5 * losses[:3].mean()
 
 
+def test_bf16_under_accumulation_and_shard_map_gives_the_jit_steps_numbers():
+    # Accumulation and the shard_map path sum the bfloat16 gradients in other orders;
+    # the float32 loss after two steps agrees to bfloat16 rounding.
+    mesh = rc.make_mesh(1)
+    optimizer = optax.adamw(3e-3)
+
+    def run(**kwargs):
+        model = GPT2(TINY, key=jax.random.key(0))
+        opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        step = rc.train_step(lm_loss, optimizer, mesh=mesh, precision="bf16", **kwargs)
+        for i in range(2):
+            batch = {"ids": jnp.asarray(_counting(16, seed=i))}
+            model, opt_state, metrics = step(model, opt_state, batch, jax.random.key(i))
+        assert _float_dtypes(model) == {jnp.dtype(jnp.float32)}
+        return float(metrics["loss"])
+
+    plain = run()
+    np.testing.assert_allclose(run(accumulate_grad_batches=2), plain, rtol=1e-2)
+    np.testing.assert_allclose(run(data_parallel="shard_map"), plain, rtol=1e-2)
+
+
 def test_policies_reject_parameters_of_the_wrong_dtype_and_unknown_names():
     model = GPT2(TINY, key=jax.random.key(0))
     batch = {"ids": jnp.asarray(_counting(2))}
@@ -318,6 +339,19 @@ def test_fit_in_bf16_on_a_2x4_mesh_tracks_fp32():
         bf16.history["eval"][-1]["eval_loss"], fp32.history["eval"][-1]["eval_loss"], rtol=1e-2
     )
     assert _float_dtypes((bf16.model, bf16.opt_state)) == {jnp.dtype(jnp.float32)}
+    logits = rc.predict(
+        bf16.model,
+        [{"ids": row} for row in _counting(8)],
+        collate_fn=lambda ex: {"ids": np.stack([e["ids"] for e in ex])},
+        pred_fn=lambda m, b, k: (
+            jax.vmap(m)(b["ids"]),
+            jnp.full(len(b["ids"]), m.blocks[0].attn.q_proj.weight[0, 0]),
+        ),
+        mesh=mesh,
+        per_device_batch_size=2,
+        precision="bf16",
+    )
+    assert logits[0][0].dtype == np.float32 and logits[0][1].dtype == jnp.bfloat16
     # The model is still split over the model axis.
     q = bf16.model.blocks[0].attn.q_proj.weight
     assert q.sharding.shard_shape(q.shape)[0] == q.shape[0] // 4

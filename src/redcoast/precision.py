@@ -117,8 +117,10 @@ def cast(tree: PyTree, dtype: DTypeLike) -> PyTree:
 
 
 def for_compute(tree: PyTree, precision: str) -> PyTree:
-    """`tree` as `precision` computes with it: floating arrays cast to bfloat16 under the
-    bf16 policies, `tree` itself under `"fp32"` (whatever its dtypes, as before policies).
+    """`tree` in the dtype `precision` computes in: bfloat16 under the bf16 policies.
+
+    Under `"fp32"` the tree is returned as it is, whatever its dtypes: the policy
+    changes nothing that ran before policies existed.
 
     Args:
         tree: a model, or its floating arrays.
@@ -134,7 +136,7 @@ def for_compute(tree: PyTree, precision: str) -> PyTree:
 
 
 def check_param_dtypes(params: PyTree, precision: str, *, where: str) -> None:
-    """Raise if `precision` stores parameters in a dtype some floating parameter does not have.
+    """Raise unless every floating parameter has the dtype `precision` stores parameters in.
 
     Under `"fp32"` any dtype is accepted, as before policies existed.
 
@@ -145,6 +147,9 @@ def check_param_dtypes(params: PyTree, precision: str, *, where: str) -> None:
 
     Raises:
         ValueError: naming the first parameter of the wrong dtype and the fix.
+
+    Example:
+        >>> check_param_dtypes(rc.cast(model, jnp.bfloat16), "pure-bf16", where="train_step")
     """
     if precision == "fp32":
         return
