@@ -97,6 +97,19 @@ def test_remat_on_a_users_function_and_bad_names():
         GPT2(TINY, remat="everything", key=jax.random.key(0))
 
 
+def test_from_hf_takes_the_remat_policy(tmp_path):
+    GPT2(TINY, key=jax.random.key(0)).to_hf(tmp_path)
+    ids = jnp.asarray(_counting(1)[0])
+    plain = GPT2.from_hf(tmp_path)
+    full = GPT2.from_hf(tmp_path, scan_layers=True, remat="full")
+    dots = rc.models.from_hf(tmp_path, remat="dots")
+    assert (plain.remat, full.remat, dots.remat) == ("none", "full", "dots")
+    np.testing.assert_allclose(full(ids), plain(ids), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(dots(ids), plain(ids))
+    with pytest.raises(ValueError, match="remat must be one of"):
+        rc.models.from_hf(tmp_path, remat="yes")
+
+
 def _saved_residuals(policy, batch=2, seq=16):
     """The shapes `jax.grad` keeps from the forward pass of a one-layer GPT-2, vmapped."""
     config = GPT2Config(vocab_size=64, n_positions=seq, n_embd=32, n_layer=1, n_head=4)
