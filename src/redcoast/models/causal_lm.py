@@ -78,7 +78,7 @@ class AbstractCausalLM(eqx.Module):
     Every concrete model also has a static `config`, its hyperparameters named as in
     the model's Hugging Face config.json, and a static `remat`: the rematerialisation
     policy of each block in the training forward pass (`"none"`, `"dots"`, `"full"`;
-    see `redcoast.rematerialisation`).
+    see `rc.remat`).
 
     The models follow their parameters' dtype: in bfloat16 the matmuls run in
     bfloat16 while norms and the attention softmax compute in float32, and the
@@ -268,12 +268,12 @@ class AbstractCausalLM(eqx.Module):
             ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
                 return eqx.combine(p, static)(h, positions, c, index)
 
-            layer = remat(layer, policy)
+            run = remat(layer, policy)
 
             def body(
                 h: Float[Array, "seq hidden"], xs: tuple[PyTree, KVCache | None]
             ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-                return layer(h, *xs)
+                return run(h, *xs)
 
             return jax.lax.scan(body, x, (params, cache))
         if cache is None:
