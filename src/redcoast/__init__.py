@@ -34,6 +34,8 @@ from .place import place as place
 from .place import sharded_init as sharded_init
 from .planner import MemoryPlan as MemoryPlan
 from .planner import plan as plan
+from .precision import cast as cast
+from .rematerialisation import remat as remat
 from .sharding import ShardingPlan as ShardingPlan
 from .sharding import shard as shard
 from .sharding import sharding_plan as sharding_plan

@@ -43,6 +43,7 @@ from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_lo
 from .loop import Hook, LoopState, always, run_loop
 from .mesh import make_mesh, mesh_shape
 from .place import model_mesh, own_copy, place, replicate_strays
+from .precision import cast, check_precision, param_dtype
 from .step import LossFn, PredFn, donating_jit, jit_eval_first, predict_step, train_step
 
 
@@ -107,6 +108,7 @@ def predict(
     mesh: Mesh | None = None,
     per_device_batch_size: int,
     seed: int = 0,
+    precision: str = "fp32",
 ) -> list[Any]:
     """Run `pred_fn` over `examples` on every device; one output per example, in order.
 
@@ -126,6 +128,8 @@ def predict(
         mesh: from `make_mesh`; defaults to the model's mesh, else `make_mesh(1)`.
         per_device_batch_size: rows per data-parallel device.
         seed: batch `i` gets the key `fold_in(key(seed), i)`.
+        precision: `"bf16"` / `"pure-bf16"` run `pred_fn` on the model cast to
+            bfloat16 (see `predict_step`).
 
     Returns:
         A list with one output per example.
@@ -149,7 +153,7 @@ def predict(
         itertools.chain([first], it),
         key=key,
         loss_step=None,
-        pred_step=predict_step(pred_fn),
+        pred_step=predict_step(pred_fn, precision=precision),
         output_fn=output_fn,
     )
     assert outputs is not None
@@ -360,12 +364,17 @@ def _evaluator(
     batch_size: int,
     emit: Callable[[dict[str, Any], int], None],
     records: list[dict[str, Any]],
+    precision: str,
 ) -> Callable[[LoopState], dict[str, float]]:
     """`state -> metrics`: one evaluation, logged, and written to `workdir/eval`."""
     eval_dir = None if run.root is None or not run.lead else os.path.join(run.root, "eval")
     mesh, key = run.mesh, run.key
-    loss_step = functools.partial(jit_eval_first, loss_fn)
-    pred_step = None if evaluation.pred_fn is None else predict_step(evaluation.pred_fn)
+    loss_step = functools.partial(jit_eval_first, loss_fn, precision=precision)
+    pred_step = (
+        None
+        if evaluation.pred_fn is None
+        else predict_step(evaluation.pred_fn, precision=precision)
+    )
 
     def evaluate(s: LoopState) -> dict[str, float]:
         loss_metrics, outputs = inference(
@@ -598,6 +607,7 @@ def fit(
     opt_state: PyTree | None = None,
     schedule: Callable[[Any], Any] | None = None,
     fsdp: bool = False,
+    precision: str = "fp32",
 ) -> FitResult:
     """Train `model` on `train_examples` with data and tensor parallelism over `mesh`.
 
@@ -666,6 +676,9 @@ def fit(
             well (ZeRO-3: parameters, gradients and optimizer state divided by every
             device; see `sharding_plan`). A model already on `mesh` (from
             `sharded_init`, say) keeps its layout.
+        precision: `"fp32"`, `"bf16"` (float32 master weights, bfloat16 compute) or
+            `"pure-bf16"` (the model is cast to bfloat16 before `optimizer.init`); see
+            `train_step`. Evaluation runs in the same precision.
 
     Returns:
         A `FitResult` with `model`, `opt_state`, `step`, `history` and `stopped_by`.
@@ -681,6 +694,7 @@ def fit(
     """
     options = (n_epochs, max_steps, log_every, on_nonfinite, workdir, checkpointing)
     _check_options(*options, resume=resume, overwrite=overwrite)
+    check_precision(precision)
     mesh = mesh or model_mesh(model) or make_mesh(1)
     size = global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches)
     root = None if workdir is None else os.fspath(workdir)
@@ -691,6 +705,8 @@ def fit(
         train_examples, collate_fn=collate_fn, mesh=mesh, size=size, seed=seed
     )
     placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key), fsdp=fsdp)
+    if precision == "pure-bf16":
+        placed = cast(placed, param_dtype(precision))
     opt = (
         optimizer.init(eqx.filter(placed, eqx.is_inexact_array)) if opt_state is None else opt_state
     )
@@ -711,6 +727,7 @@ def fit(
         mesh=mesh,
         schedule=schedule,
         skip_nonfinite=on_nonfinite == "skip",
+        precision=precision,
         jit=False,
     )
     jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
@@ -740,7 +757,7 @@ def fit(
                 mesh, evaluation.per_device_batch_size or per_device_batch_size
             )
             evaluate = _evaluator(
-                run, evaluation, loss_fn, collate_fn, eval_size, emit, history["eval"]
+                run, evaluation, loss_fn, collate_fn, eval_size, emit, history["eval"], precision
             )
         builtin = _hooks(
             run,

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import fsdp
 from .mesh import DATA, mesh_shape
+from .precision import check_param_dtypes, check_precision, for_compute
 
 LossFn = Callable[[Any, Any, PRNGKeyArray], Any]
 """`(model, batch, key) -> loss` or `(loss, dict_of_scalars)`."""
@@ -181,6 +182,7 @@ def _train_core(
     schedule: Callable[[Any], Any] | None,
     skip_nonfinite: bool,
     axis_name: str | None,
+    precision: str,
 ) -> TrainStepFn:
     """The un-jitted step; `axis_name` set means "inside shard_map, pmean over it"."""
     n_micro = accumulate_grad_batches
@@ -195,14 +197,18 @@ def _train_core(
 
     def run(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
         params, static = eqx.partition(model, eqx.is_inexact_array)
+        check_param_dtypes(params, precision, where="train_step")
         if axis_name is not None:
             # Varying params make jax.grad return this shard's gradient rather than an
             # implicit psum, so the pmean below is the one reduction.
             params = jax.tree.map(lambda p: jax.lax.pcast(p, axis_name, to="varying"), params)
 
         def objective(p: Any, b: Any, k: Any) -> tuple[Array, dict[str, Array]]:
-            with fsdp.gather_at_use(p):
-                return _split_loss(loss_fn(eqx.combine(p, static), b, k), b)
+            # The cast sits inside the differentiated function, so its transpose turns
+            # the bfloat16 gradients back into float32 ones for float32 master weights.
+            compute = for_compute(p, precision)
+            with fsdp.gather_at_use(compute):
+                return _split_loss(loss_fn(eqx.combine(compute, static), b, k), b)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         if n_micro == 1:
@@ -319,6 +325,7 @@ def train_step(
     data_parallel: Literal["jit", "shard_map"] = "jit",
     schedule: Callable[[Any], Any] | None = None,
     skip_nonfinite: bool = False,
+    precision: str = "fp32",
     jit: bool = True,
 ) -> TrainStepFn:
     """Compose `loss_fn` and an optax optimizer into one training step.
@@ -352,6 +359,11 @@ def train_step(
         skip_nonfinite: when the loss, the gradient norm or an updated parameter is
             not finite, keep the old model and optimizer state and report
             `skipped = 1`.
+        precision: `"fp32"`; `"bf16"` (float32 master parameters and optimizer
+            state, `loss_fn` sees the model cast to bfloat16, float32 gradients); or
+            `"pure-bf16"` (parameters, optimizer state and compute in bfloat16; cast
+            the model with `rc.cast(model, jnp.bfloat16)` before `optimizer.init`).
+            See `redcoast.precision`.
         jit: wrap the step in `eqx.filter_jit`, donating the model and optimizer
             state (pass fresh ones each call). With `jit=False` the plain function
             is returned, to compose into your own transformations.
@@ -379,6 +391,7 @@ def train_step(
         raise ValueError(f"data_parallel must be 'jit' or 'shard_map', got {data_parallel!r}.")
     if data_parallel == "shard_map" and mesh is None:
         raise ValueError("data_parallel='shard_map' needs mesh=make_mesh(1).")
+    check_precision(precision)
     core = _train_core(
         loss_fn,
         optimizer,
@@ -387,6 +400,7 @@ def train_step(
         schedule=schedule,
         skip_nonfinite=skip_nonfinite,
         axis_name=DATA if data_parallel == "shard_map" else None,
+        precision=precision,
     )
     if data_parallel == "shard_map":
         assert mesh is not None
@@ -400,9 +414,11 @@ def _eval(
     batch: Any,
     key: Any,
     weights: Float[Array, " batch"] | None = None,
+    *,
+    precision: str = "fp32",
 ) -> dict[str, Array]:
     """`loss_fn` per example under inference mode; the weighted means and the weight."""
-    model = eqx.nn.inference_mode(model)
+    model = for_compute(eqx.nn.inference_mode(model), precision)
     size = batch_size(batch)
 
     def one(example: Any) -> tuple[Array, dict[str, Array]]:
@@ -419,17 +435,23 @@ def _eval(
 
 
 def _eval_first(
-    loss_fn: LossFn, model: Any, batch: Any, key: Any, n_valid: Int[Array, ""]
+    loss_fn: LossFn,
+    model: Any,
+    batch: Any,
+    key: Any,
+    n_valid: Int[Array, ""],
+    *,
+    precision: str = "fp32",
 ) -> dict[str, Array]:
     """`_eval` counting only the first `n_valid` rows; the rest is padding."""
     weights = (jnp.arange(batch_size(batch)) < n_valid).astype(jnp.float32)
-    return _eval(loss_fn, model, batch, key, weights)
+    return _eval(loss_fn, model, batch, key, weights, precision=precision)
 
 
-def _predict(pred_fn: PredFn, model: Any, batch: Any, key: Any) -> Any:
+def _predict(pred_fn: PredFn, model: Any, batch: Any, key: Any, *, precision: str = "fp32") -> Any:
     """`pred_fn` under inference mode, its output checked for the batch axis."""
     size = batch_size(batch)
-    out = pred_fn(eqx.nn.inference_mode(model), batch, key)
+    out = pred_fn(for_compute(eqx.nn.inference_mode(model), precision), batch, key)
     leaves = jax.tree_util.tree_leaves(out)
     if not leaves or any(jnp.ndim(x) == 0 or jnp.shape(x)[0] != size for x in leaves):
         raise ValueError(
@@ -447,7 +469,9 @@ jit_eval_first = eqx.filter_jit(_eval_first)
 _jit_predict = eqx.filter_jit(_predict)
 
 
-def eval_step(loss_fn: LossFn, *, jit: bool = True) -> Callable[..., dict[str, Array]]:
+def eval_step(
+    loss_fn: LossFn, *, precision: str = "fp32", jit: bool = True
+) -> Callable[..., dict[str, Array]]:
     """An evaluation step: `loss_fn` per example under `eqx.nn.inference_mode`.
 
     Each example's loss is `loss_fn` on a batch of that one example, so padding rows
@@ -456,6 +480,8 @@ def eval_step(loss_fn: LossFn, *, jit: bool = True) -> Callable[..., dict[str, A
 
     Args:
         loss_fn: as for `train_step`.
+        precision: `"fp32"`, or `"bf16"` / `"pure-bf16"`: `loss_fn` sees the model's
+            floating arrays cast to bfloat16; the metrics are float32.
         jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
             `loss_fn` share their compilations.
 
@@ -468,15 +494,20 @@ def eval_step(loss_fn: LossFn, *, jit: bool = True) -> Callable[..., dict[str, A
         >>> evaluate = eval_step(loss_fn)
         >>> evaluate(model, batch, jax.random.key(0))["loss"]
     """
-    return functools.partial(_jit_eval if jit else _eval, loss_fn)
+    check_precision(precision)
+    return functools.partial(_jit_eval if jit else _eval, loss_fn, precision=precision)
 
 
-def predict_step(pred_fn: PredFn, *, jit: bool = True) -> Callable[..., Any]:
+def predict_step(
+    pred_fn: PredFn, *, precision: str = "fp32", jit: bool = True
+) -> Callable[..., Any]:
     """A prediction step: `pred_fn` under `eqx.nn.inference_mode`, output checked.
 
     Args:
         pred_fn: `(model, batch, key) -> pytree of arrays`, each with the batch on the
             leading axis.
+        precision: `"fp32"`, or `"bf16"` / `"pure-bf16"`: `pred_fn` sees the model's
+            floating arrays cast to bfloat16.
         jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
             `pred_fn` share their compilations.
 
@@ -487,4 +518,5 @@ def predict_step(pred_fn: PredFn, *, jit: bool = True) -> Callable[..., Any]:
         >>> predict = predict_step(lambda m, b, k: jax.vmap(m)(b["x"]).argmax(-1))
         >>> labels = predict(model, batch, jax.random.key(0))
     """
-    return functools.partial(_jit_predict if jit else _predict, pred_fn)
+    check_precision(precision)
+    return functools.partial(_jit_predict if jit else _predict, pred_fn, precision=precision)

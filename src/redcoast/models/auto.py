@@ -27,6 +27,7 @@ def from_hf(
     dtype: DTypeLike | None = None,
     scan_layers: bool = False,
     vocab_multiple: int = 1,
+    remat: str = "none",
 ) -> AbstractCausalLM:
     """Load a `transformers` `save_pretrained` folder as a `GPT2`, `Llama`, `OPT` or `GPTJ`.
 
@@ -38,6 +39,7 @@ def from_hf(
         scan_layers: stack the layers and run them with `lax.scan`.
         vocab_multiple: pad the vocabulary to a multiple of this (`128 * n_model_shards`
             splits it evenly, as Megatron-LM does); see `AbstractCausalLM.from_hf`.
+        remat: the blocks' rematerialisation policy (`"none"`, `"dots"`, `"full"`).
 
     Returns:
         The model, of the class config.json's `model_type` names.
@@ -64,4 +66,5 @@ def from_hf(
         dtype=dtype,
         scan_layers=scan_layers,
         vocab_multiple=vocab_multiple,
+        remat=remat,
     )

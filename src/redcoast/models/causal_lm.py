@@ -10,7 +10,6 @@ generation, and the Hugging Face import/export; an architecture (`GPT2`, `Llama`
 """
 
 import abc
-import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -24,6 +23,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
 
 from .. import fsdp
+from ..rematerialisation import RematPolicy, remat
 from . import hf
 from .checks import check_range
 from .layers import DecoderBlock, KVCache, Norm
@@ -64,20 +64,12 @@ def make_blocks(
     return tuple(make(k) for k in keys)
 
 
-def _gathered_call(
-    block: DecoderBlock, x: Float[Array, "seq hidden"], positions: Real[Array, " seq"]
-) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-    """`block(x, positions)`, its weights gathered for use under FSDP (and not kept)."""
-    params, static = eqx.partition(block, eqx.is_array)
-    specs = fsdp.layer_specs(params, stacked=False)
-    if specs is None:
-        return block(x, positions)
-
-    @functools.partial(jax.checkpoint, policy=fsdp.remat_policy())
-    def run(p: PyTree, h: Float[Array, "seq hidden"]) -> tuple[Float[Array, "seq hidden"], None]:
-        return eqx.combine(fsdp.gather(p, specs), static)(h, positions)
-
-    return run(params, x)
+def _under_policy(fn: Callable[..., Any], policy: str, gathering: bool) -> Callable[..., Any]:
+    """`fn` under the remat policy. Under FSDP even `"none"` recomputes the gathered
+    weights in the backward pass instead of keeping every layer's whole copy."""
+    if gathering and policy == "none":
+        return eqx.filter_checkpoint(fn, policy=fsdp.remat_policy())
+    return remat(fn, policy)
 
 
 _TRACE_IDS = np.zeros((8,), np.int32)
@@ -91,7 +83,13 @@ class AbstractCausalLM(eqx.Module):
     `Llama`, `OPT`, `GPTJ`.
 
     Every concrete model also has a static `config`, its hyperparameters named as in
-    the model's Hugging Face config.json.
+    the model's Hugging Face config.json, and a static `remat`: the rematerialisation
+    policy of each block in the training forward pass (`"none"`, `"dots"`, `"full"`;
+    see `rc.remat`).
+
+    The models follow their parameters' dtype: in bfloat16 the matmuls run in
+    bfloat16 while norms and the attention softmax compute in float32, and the
+    logits are returned in float32 so that a cross-entropy on them is float32.
 
     Attributes:
         embed_tokens: the token embeddings.
@@ -107,6 +105,7 @@ class AbstractCausalLM(eqx.Module):
     norm: eqx.AbstractVar[Norm]
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
     config: eqx.AbstractVar[Any]
+    remat: eqx.AbstractVar[RematPolicy]
 
     config_class: ClassVar[type[hf.HFConfig]]
     # OPT's position table starts at row 2 (rows 0 and 1 are a fairseq leftover).
@@ -256,6 +255,8 @@ class AbstractCausalLM(eqx.Module):
             logits = h @ fsdp.gathered(self.embed_tokens).weight.T
         else:
             logits = jax.vmap(fsdp.gathered(self.lm_head))(h)
+        # The head's matmul runs in the parameters' dtype; the loss on its output in float32.
+        logits = logits.astype(jnp.float32)
         vocab = self.config.vocab_size
         if logits.shape[-1] == vocab:
             return logits
@@ -271,6 +272,9 @@ class AbstractCausalLM(eqx.Module):
         cache: Cache | None,
         index: Int[Array, ""] | int,
     ) -> tuple[Float[Array, "seq hidden"], Cache | None]:
+        # Training runs each block under the remat policy; the cached (decoding) path
+        # computes no gradients, so there is nothing to rematerialise.
+        policy = self.remat if cache is None else "none"
         if isinstance(self.blocks, DecoderBlock):
             assert cache is None or isinstance(cache, KVCache)
             params, static = eqx.partition(self.blocks, eqx.is_array)
@@ -279,22 +283,21 @@ class AbstractCausalLM(eqx.Module):
             specs = fsdp.layer_specs(params, stacked=True)
 
             def layer(
-                p: PyTree, h: Float[Array, "seq hidden"], c: KVCache | None
+                h: Float[Array, "seq hidden"], p: PyTree, c: KVCache | None
             ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
                 return eqx.combine(fsdp.gather(p, specs), static)(h, positions, c, index)
 
-            if specs is not None:
-                layer = jax.checkpoint(layer, policy=fsdp.remat_policy())
+            run = _under_policy(layer, policy, specs is not None)
 
             def body(
                 h: Float[Array, "seq hidden"], xs: tuple[PyTree, KVCache | None]
             ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-                return layer(xs[0], h, xs[1])
+                return run(h, *xs)
 
             return jax.lax.scan(body, x, (params, cache))
         if cache is None:
             for block in self.blocks:
-                x, _ = _gathered_call(block, x, positions)
+                x = self._block(block, x, positions, policy)
             return x, None
         assert isinstance(cache, tuple)
         new = []
@@ -303,6 +306,22 @@ class AbstractCausalLM(eqx.Module):
             assert c is not None
             new.append(c)
         return x, tuple(new)
+
+    @staticmethod
+    def _block(
+        block: DecoderBlock,
+        x: Float[Array, "seq hidden"],
+        positions: Real[Array, " seq"],
+        policy: str,
+    ) -> Float[Array, "seq hidden"]:
+        """One unrolled block under the remat policy, its weights gathered under FSDP."""
+        params, static = eqx.partition(block, eqx.is_array)
+        specs = fsdp.layer_specs(params, stacked=False)
+
+        def run(p: PyTree, h: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
+            return eqx.combine(fsdp.gather(p, specs), static)(h, positions)[0]
+
+        return _under_policy(run, policy, specs is not None)(params, x)
 
     @classmethod
     def from_hf(
@@ -314,6 +333,7 @@ class AbstractCausalLM(eqx.Module):
         dtype: DTypeLike | None = None,
         scan_layers: bool = False,
         vocab_multiple: int = 1,
+        remat: str = "none",
     ) -> _Model:
         """Load a `transformers` `save_pretrained` folder (config.json + safetensors).
 
@@ -335,6 +355,7 @@ class AbstractCausalLM(eqx.Module):
                 this (Megatron-LM's `128 * n_model_shards`), so the vocabulary splits
                 evenly over the model axis; the padded logits are masked and `to_hf`
                 writes the original rows.
+            remat: the blocks' rematerialisation policy (`"none"`, `"dots"`, `"full"`).
 
         Returns:
             The model.
@@ -355,6 +376,7 @@ class AbstractCausalLM(eqx.Module):
             dtype=dtype,
             scan_layers=scan_layers,
             vocab_multiple=vocab_multiple,
+            remat=remat,
         )
 
     def to_hf(self, path: str | Path) -> None:

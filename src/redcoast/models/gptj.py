@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
+from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from .causal_lm import AbstractCausalLM, Blocks, make_blocks
 from .layers import MLP, Attention, DecoderBlock, Norm, activation
@@ -52,6 +53,8 @@ class GPTJ(AbstractCausalLM):
     Args:
         config: the hyperparameters.
         scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
+        remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
+            (keep the projections' outputs) or `"full"` (see `rc.remat`).
         key: for the random initialisation.
 
     Example:
@@ -68,11 +71,19 @@ class GPTJ(AbstractCausalLM):
     blocks: Blocks
     norm: Norm
     lm_head: eqx.nn.Linear | None
+    remat: RematPolicy = eqx.field(static=True)
 
     config_class: ClassVar[type[hf.HFConfig]] = GPTJConfig
     hf_base_prefix: ClassVar[str] = "transformer."
 
-    def __init__(self, config: GPTJConfig, *, scan_layers: bool = False, key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: GPTJConfig,
+        *,
+        scan_layers: bool = False,
+        remat: str = "none",
+        key: PRNGKeyArray,
+    ):
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         eps = c.layer_norm_epsilon
@@ -99,6 +110,7 @@ class GPTJ(AbstractCausalLM):
             )
 
         self.config = config
+        self.remat = check_remat(remat)
         self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt)
         self.embed_positions = None
         self.blocks = make_blocks(block, c.n_layer, scan_layers=scan_layers, key=kb)

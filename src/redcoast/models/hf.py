@@ -383,6 +383,7 @@ def load(
     dtype: DTypeLike | None = None,
     scan_layers: bool = False,
     vocab_multiple: int = 1,
+    remat: str = "none",
 ) -> Any:
     """Read a `save_pretrained` folder into a model of class `cls` (see `from_hf`)."""
     folder = Path(path)
@@ -390,7 +391,9 @@ def load(
     _check_model_type(values, cls, folder)
     config = dataclasses.replace(cls.config_class.from_dict(values), vocab_multiple=vocab_multiple)
     config.padded_vocab_size  # noqa: B018 - checks vocab_multiple before anything is read
-    skeleton = eqx.filter_eval_shape(cls, config, scan_layers=scan_layers, key=jax.random.key(0))
+    skeleton = eqx.filter_eval_shape(
+        cls, config, scan_layers=scan_layers, remat=remat, key=jax.random.key(0)
+    )
     flat, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
     n_layers, stacked = _layer_count(skeleton)
     sources = _sources(cls.hf_tensors(config), n_layers, stacked)

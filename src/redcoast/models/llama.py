@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
+from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from .causal_lm import AbstractCausalLM, Blocks, make_blocks
 from .layers import Attention, DecoderBlock, Norm, SwiGLU, activation
@@ -76,6 +77,8 @@ class Llama(AbstractCausalLM):
     Args:
         config: the hyperparameters.
         scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
+        remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
+            (keep the projections' outputs) or `"full"` (see `rc.remat`).
         key: for the random initialisation.
 
     Example:
@@ -93,12 +96,20 @@ class Llama(AbstractCausalLM):
     blocks: Blocks
     norm: Norm
     lm_head: eqx.nn.Linear | None
+    remat: RematPolicy = eqx.field(static=True)
 
     config_class: ClassVar[type[hf.HFConfig]] = LlamaConfig
     hf_base_prefix: ClassVar[str] = "model."
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
-    def __init__(self, config: LlamaConfig, *, scan_layers: bool = False, key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        scan_layers: bool = False,
+        remat: str = "none",
+        key: PRNGKeyArray,
+    ):
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         head_dim = c.head_dim or c.hidden_size // c.num_attention_heads
@@ -129,6 +140,7 @@ class Llama(AbstractCausalLM):
             )
 
         self.config = config
+        self.remat = check_remat(remat)
         self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
         self.embed_positions = None
         self.blocks = make_blocks(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)

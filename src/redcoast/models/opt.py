@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
+from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from .causal_lm import AbstractCausalLM, Blocks, make_blocks
 from .layers import MLP, Attention, DecoderBlock, Norm, activation
@@ -59,6 +60,8 @@ class OPT(AbstractCausalLM):
     Args:
         config: the hyperparameters.
         scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
+        remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
+            (keep the projections' outputs) or `"full"` (see `rc.remat`).
         key: for the random initialisation.
 
     Example:
@@ -75,13 +78,21 @@ class OPT(AbstractCausalLM):
     blocks: Blocks
     norm: Norm
     lm_head: eqx.nn.Linear | None
+    remat: RematPolicy = eqx.field(static=True)
 
     config_class: ClassVar[type[hf.HFConfig]] = OPTConfig
     hf_base_prefix: ClassVar[str] = "model."
     position_offset: ClassVar[int] = 2
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
-    def __init__(self, config: OPTConfig, *, scan_layers: bool = False, key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: OPTConfig,
+        *,
+        scan_layers: bool = False,
+        remat: str = "none",
+        key: PRNGKeyArray,
+    ):
         c = config
         kt, kp, kh, kb = jax.random.split(key, 4)
 
@@ -104,6 +115,7 @@ class OPT(AbstractCausalLM):
             )
 
         self.config = config
+        self.remat = check_remat(remat)
         self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
         self.embed_positions = eqx.nn.Embedding(
             c.max_position_embeddings + self.position_offset, c.hidden_size, key=kp

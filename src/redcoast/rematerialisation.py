@@ -1,0 +1,87 @@
+"""Rematerialisation: trade compute for memory by recomputing a function in the backward pass.
+
+A policy says what a wrapped function keeps for the backward pass:
+
+- `"none"`: everything its forward pass produces (no rematerialisation);
+- `"dots"`: only matmul outputs without batch dimensions -- a transformer block's
+  projections, not its attention scores -- and recomputes the rest;
+- `"full"`: nothing but its inputs; the whole function runs again in the backward
+  pass.
+
+The zoo's decoder blocks take the policy as their model's `remat` field; a user's
+own model opts in by wrapping its block call with `remat`.
+"""
+
+from collections.abc import Callable
+from typing import Literal, TypeVar
+
+import equinox as eqx
+import jax
+
+RematPolicy = Literal["none", "dots", "full"]
+"""What a rematerialised function keeps for the backward pass (see the module docstring)."""
+REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "full")
+
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def check_remat(policy: object) -> RematPolicy:
+    """`policy` itself if it names a rematerialisation policy, else a ValueError listing them.
+
+    Args:
+        policy: the value given for `remat`.
+
+    Returns:
+        The policy.
+
+    Raises:
+        ValueError: `policy` is not one of `"none"`, `"dots"`, `"full"`.
+
+    Example:
+        >>> check_remat("dots")
+        'dots'
+    """
+    if policy not in REMAT_POLICIES:
+        raise ValueError(
+            f"remat must be one of {', '.join(map(repr, REMAT_POLICIES))}; got {policy!r}. "
+            "'full' recomputes each block in the backward pass, 'dots' keeps its matmul "
+            "outputs, 'none' keeps everything."
+        )
+    return policy  # type: ignore[return-value]
+
+
+def remat(fn: _F, policy: str) -> _F:
+    """`fn` under `jax.checkpoint` with a named policy: recompute it in the backward pass.
+
+    Wrap the call of one layer (a transformer block) so that its activations are
+    recomputed instead of stored between the forward and the backward pass: memory
+    for activations then grows with the number of layers only through the layers'
+    inputs. Arguments may be any pytrees (Equinox modules included); non-array
+    leaves are static (`eqx.filter_checkpoint`).
+
+    Args:
+        fn: the function to rematerialise.
+        policy: `"none"` returns `fn` itself; `"dots"` saves matmul outputs without
+            batch dimensions (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`);
+            `"full"` saves nothing inside `fn`.
+
+    Returns:
+        The wrapped function, same signature and results as `fn`.
+
+    Raises:
+        ValueError: an unknown policy.
+
+    Example:
+        >>> block_fn = rc.remat(lambda block, x: block(x), "full")
+        >>> for block in model.blocks:
+        ...     x = block_fn(block, x)
+    """
+    check_remat(policy)
+    if policy == "none":
+        return fn
+    saveable = (
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        if policy == "dots"
+        else jax.checkpoint_policies.nothing_saveable
+    )
+    return eqx.filter_checkpoint(fn, policy=saveable)  # type: ignore[return-value]
