@@ -26,3 +26,5 @@ from .llama import Llama as Llama
 from .llama import LlamaConfig as LlamaConfig
 from .opt import OPT as OPT
 from .opt import OPTConfig as OPTConfig
+from .presets import PRESETS as PRESETS
+from .presets import preset as preset

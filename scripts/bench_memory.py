@@ -1,0 +1,85 @@
+"""Per-device memory of a ~1B-parameter model's train step under each layout, from XLA.
+
+`rc.plan` compiles the AdamW train step of the zoo's `llama-1b` preset (1.24B
+parameters, scanned layers; 1024 tokens, one sequence per device) for 8 simulated
+devices on abstract shapes and reads `memory_analysis()`. Each row is a layout:
+tensor parallelism only, FSDP only, both, then with bf16 compute and with remat.
+"floor" is the model's parameters + AdamW state divided by all 8 devices.
+
+Targets: parameters + optimizer state per device <= 1.10 x the floor under FSDP and
+TP x FSDP; activations with full remat <= 0.5 x without.
+
+Run: python scripts/bench_memory.py   (writes bench-results/bench_memory.json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+MODEL = "llama-1b"
+LAYOUTS = [
+    # name, n_model_shards, fsdp, precision, remat
+    ("TP 8", 8, False, "fp32", "none"),
+    ("FSDP 8", 1, True, "fp32", "none"),
+    ("TP 2 x FSDP 4", 2, True, "fp32", "none"),
+    ("TP 2 x FSDP 4, bf16", 2, True, "bf16", "none"),
+    ("TP 2 x FSDP 4, remat dots", 2, True, "fp32", "dots"),
+    ("TP 2 x FSDP 4, remat full", 2, True, "fp32", "full"),
+    ("TP 2 x FSDP 4, bf16, remat full", 2, True, "bf16", "full"),
+]
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def main() -> None:
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", 8)
+    import redcoast as rc
+
+    results = []
+    print(f"{MODEL}, 8 devices, 1024 tokens, 1 sequence per device; GiB per device")
+    print(
+        "| layout | params | AdamW state | params + state | floor | ÷ floor "
+        "| activations | peak | compile |"
+    )
+    print("|" + "---|" * 9)
+    for name, n_model, fsdp, precision, remat in LAYOUTS:
+        r = rc.plan(
+            MODEL,
+            devices=8,
+            n_model_shards=n_model,
+            fsdp=fsdp,
+            precision=precision,
+            remat=remat,
+            seq_len=1024,
+            max_batch=False,
+        )
+        master = 4 if precision != "pure-bf16" else 2
+        floor = r.n_params * 3 * master / 8
+        held = r.params + r.opt_state
+        print(
+            f"| {name} | {gib(r.params)} | {gib(r.opt_state)} | {gib(held)} | {gib(floor)} "
+            f"| {held / floor:.2f} | {gib(r.activations)} | {gib(r.peak)} "
+            f"| {r.compile_seconds:.0f} s |",
+            flush=True,
+        )
+        results.append({"name": name, "floor": floor, **r.to_dict()})
+    by = {r["name"]: r for r in results}
+    full = by["TP 2 x FSDP 4, remat full"]["activations"]
+    none = by["TP 2 x FSDP 4"]["activations"]
+    print(f"activations, full remat / none: {full / none:.2f} (target <= 0.5)")
+    out = Path("bench-results/bench_memory.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
