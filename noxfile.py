@@ -45,7 +45,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks in scripts/: each prints a table and writes JSON under bench-results/."""
-    session.install("-e", ".")
+    session.install("-e", ".[hf]")
     for script in sorted(Path("scripts").glob("bench_*.py")):
         session.run("python", str(script), *session.posargs, env=SIMULATED)
 
