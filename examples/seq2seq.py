@@ -46,19 +46,18 @@ def encode(tokens: list[str], length: int) -> np.ndarray:
 def collate_fn(numbers: list[int]) -> dict[str, np.ndarray]:
     src = np.stack([encode(list(str(n)), SRC_LEN) for n in numbers])
     tgt = np.stack([encode(words(n).split(), TGT_LEN) for n in numbers])
-    return {"src": src, "mask": (src != PAD).astype(np.int32), "tgt": tgt}
+    # Teacher forcing: the decoder reads the start token (PAD) and the target shifted
+    # right; the padding after the target's EOS is not learned.
+    decoder_input = np.concatenate([np.full_like(tgt[:, :1], PAD), tgt[:, :-1]], axis=1)
+    return {"src": src, "mask": src != PAD, "tgt": tgt, "dec": decoder_input}
 
 
 def loss_fn(model: T5, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
-    # Teacher forcing: the decoder reads the start token and the target shifted right.
-    start = np.full((batch["tgt"].shape[0], 1), PAD, np.int32)
-    decoder_input = jax.numpy.concatenate([start, batch["tgt"][:, :-1]], axis=1)
     logits = jax.vmap(lambda s, a, d: model(s, d, attention_mask=a))(
-        batch["src"], batch["mask"], decoder_input
+        batch["src"], batch["mask"], batch["dec"]
     )
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tgt"])
-    # The first PAD after EOS ends the target; later positions are not learned.
-    weight = jax.numpy.cumsum(batch["tgt"] == EOS, axis=1) - (batch["tgt"] == EOS) == 0
+    weight = batch["tgt"] != PAD
     return (losses * weight).sum() / weight.sum()
 
 
@@ -69,22 +68,16 @@ def pred_fn(model: T5, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
 
 
 def to_text(ids: np.ndarray) -> str:
-    out = []
-    for i in ids.tolist():
-        if i == EOS:
-            break
-        out.append(VOCAB[i])
-    return " ".join(out)
+    ids = ids.tolist()
+    return " ".join(VOCAB[i] for i in ids[: ids.index(EOS) if EOS in ids else None])
 
 
 def rouge(numbers: list[int], texts: list[str]) -> dict[str, float]:
     scorer = rouge_scorer.RougeScorer(["rouge2", "rougeL"])
     scores = [scorer.score(words(n), t) for n, t in zip(numbers, texts, strict=True)]
-    return {
-        "rouge2": float(np.mean([s["rouge2"].fmeasure for s in scores])),
-        "rougeL": float(np.mean([s["rougeL"].fmeasure for s in scores])),
-        "exact": float(np.mean([words(n) == t for n, t in zip(numbers, texts, strict=True)])),
-    }
+    out = {k: float(np.mean([s[k].fmeasure for s in scores])) for k in ("rouge2", "rougeL")}
+    exact = [words(n) == t for n, t in zip(numbers, texts, strict=True)]
+    return {**out, "exact": float(np.mean(exact))}
 
 
 def main(
@@ -93,7 +86,6 @@ def main(
     max_steps: int = 600,
     eval_every: int = 200,
     learning_rate: float = 3e-3,
-    n_test: int = 256,
     workdir: str | None = None,
     seed: int = 0,
 ) -> dict[str, float]:
@@ -105,12 +97,10 @@ def main(
         max_steps: optimizer steps (a fresh sample of numbers for each epoch).
         eval_every: decode and score the held-out numbers every this many steps.
         learning_rate: peak AdamW learning rate (warm-up, then cosine decay).
-        n_test: held-out numbers, never trained on.
         workdir: where metrics.jsonl, evaluations and the best checkpoint go.
         seed: initialisation, data and shuffling.
     """
-    rng = np.random.default_rng(seed)
-    test = [int(n) for n in rng.choice(1_000_000, n_test, replace=False)]
+    test = [int(n) for n in np.random.default_rng(seed).choice(1_000_000, 256, replace=False)]
     held_out = set(test)
 
     def train(epoch: int) -> list[int]:
@@ -148,8 +138,7 @@ def main(
         workdir=workdir,
         seed=seed,
     )
-    best = result.history["best"]
-    print("best evaluation:", best)
+    print("best evaluation:", result.history["best"])
     final = result.history["eval"][-1]
     return {k: final[f"eval_{k}"] for k in ("rougeL", "rouge2", "exact")}
 

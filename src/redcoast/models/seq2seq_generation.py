@@ -17,7 +17,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .seq2seq import AbstractSeq2SeqLM
 
@@ -201,7 +201,7 @@ def generate_seq2seq(
     input_ids: Int[ArrayLike, "batch src"],
     *,
     max_new_tokens: int,
-    attention_mask: Int[ArrayLike, "batch src"] | None = None,
+    attention_mask: Int[ArrayLike, "batch src"] | Bool[ArrayLike, "batch src"] | None = None,
     num_beams: int = 1,
     length_penalty: float = 1.0,
     early_stopping: bool | str = False,
