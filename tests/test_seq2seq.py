@@ -368,13 +368,22 @@ def test_sharded_train_step_equals_unsharded(arch: str) -> None:
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
-def test_beam_search_under_predict_on_a_sharded_model() -> None:
+def test_from_hf_onto_a_mesh_and_beam_search_under_predict(tmp_path: Path) -> None:
     model = build("t5-v1.1", scan_layers=True)
+    model.to_hf(tmp_path)
     mesh = rc.make_mesh(4)
     key = jax.random.key(0)
-    sharded = rc.shard(
-        model, mesh, rc.sharding_rules(model, 4, example_call=lambda m: loss_fn(m, BATCH, key))
-    )
+    # Without specs, from_hf derives them by tracing the model's own example_call.
+    sharded = rc.models.T5.from_hf(tmp_path, mesh=mesh, scan_layers=True)
+    specs = rc.sharding_rules(model, 4, example_call=lambda m: loss_fn(m, BATCH, key))
+    for a, w, spec in zip(
+        jax.tree_util.tree_leaves(eqx.filter(sharded, eqx.is_array)),
+        jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)),
+        jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+        strict=True,
+    ):
+        assert a.sharding == NamedSharding(mesh, spec)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
     examples = [
         {"src": np.asarray(BATCH["src"][i]), "mask": np.asarray(BATCH["mask"][i])} for i in range(6)
     ]

@@ -369,8 +369,9 @@ def _shardings(skeleton: PyTree, mesh: Mesh, specs: PyTree | None) -> dict[str, 
         specs = specs.specs
     if specs is None:
         ids = jnp.zeros((8,), jnp.int32)
-        # An encoder-decoder says how to call it (`example_call`); a decoder reads ids.
-        call = getattr(type(skeleton), "example_call", None) or (lambda m: m(ids))
+        # An encoder-decoder says how to call it on ids (`example_call`); a decoder reads them.
+        example = getattr(type(skeleton), "example_call", None)
+        call = (lambda m: example(m, ids)) if example else (lambda m: m(ids))
         specs = sharding_rules(
             _abstract_arrays(skeleton), int(mesh.shape[MODEL]), example_call=call
         )

@@ -348,9 +348,8 @@ class AbstractSeq2SeqLM(eqx.Module):
         return None if value is None else int(value)
 
     @staticmethod
-    def example_call(model: "AbstractSeq2SeqLM") -> Array:
-        """A call the sharding rules trace to follow the dataflow (used by `from_hf`)."""
-        ids = jnp.zeros((8,), jnp.int32)
+    def example_call(model: "AbstractSeq2SeqLM", ids: Int[Array, " seq"]) -> Array:
+        """How the sharding rules call the model on example `ids` (used by `from_hf`)."""
         return model(ids, ids)
 
     def _check_ids(self, ids: Int[Array, " seq"], what: str) -> Int[Array, " seq"]:
