@@ -191,18 +191,34 @@ SETTINGS = [
 ]
 
 
-# BART's and T5 v1.0's runs (40 s and 15 s, compiling four decoding loops) go to `nox -s slow`.
-@pytest.mark.parametrize(
-    "arch", [pytest.param(a, marks=pytest.mark.slow) if a != "t5-v1.1" else a for a in ARCHS]
-)
+def stopping_eos(hf: object, n: int) -> int:
+    """An EOS that a greedy output reaches after its first step, so stopping is exercised
+    (tiny random models soon repeat one token, which then ends the sequence)."""
+    free = hf_generate(hf, n, eos=VOCAB + 1)
+    return next(row[i] for row in free for i in range(1, n) if row[i] not in row[:i])
+
+
+def test_beam_search_equals_transformers(checkpoints) -> None:
+    folder, hf = checkpoints("t5-v1.1")
+    model = rc.models.from_hf(folder)
+    eos = stopping_eos(hf, 10)
+    settings = {"num_beams": 4, "length_penalty": 0.6}
+    got = rc.models.generate_seq2seq(
+        model, SRC, attention_mask=MASK, max_new_tokens=10, eos_token_id=eos, **settings
+    )
+    assert [trim(row, eos) for row in np.asarray(got).tolist()] == hf_generate(
+        hf, 10, eos, **settings
+    )
+
+
+# Every setting compiles its own decoding loop (10-40 s an architecture): `nox -s slow`.
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_and_beam_search_equal_transformers(arch: str, checkpoints) -> None:
     folder, hf = checkpoints(arch)
     model = rc.models.from_hf(folder)
     n = 10
-    # An EOS that a greedy output reaches after its first step, so stopping is exercised
-    # (tiny random models soon repeat one token, which then ends the sequence).
-    free = hf_generate(hf, n, eos=VOCAB + 1)
-    eos = next(row[i] for row in free for i in range(1, n) if row[i] not in row[:i])
+    eos = stopping_eos(hf, n)
     outputs = []
     for settings in SETTINGS:
         want = hf_generate(hf, n, eos, **settings)
@@ -234,6 +250,7 @@ def test_forced_bos_and_eos_tokens(checkpoints) -> None:
         assert all(row[0] == 7 and row[-1] == 2 for row in rows)  # forced_eos from the config
 
 
+@pytest.mark.slow
 def test_sampling(checkpoints) -> None:
     model = rc.models.from_hf(checkpoints("t5-v1.1")[0])
     greedy = rc.models.generate_seq2seq(model, SRC, max_new_tokens=6, eos_token_id=VOCAB - 1)
