@@ -55,6 +55,7 @@ class T5Config(hf.HFConfig):
     tie_word_embeddings: bool = True
     pad_token_id: int = 0
     eos_token_id: int = 1
+    decoder_start_token_id: int = 0  # written out, so that transformers' generate finds it
 
     def __post_init__(self) -> None:
         parts = self.feed_forward_proj.split("-")
