@@ -3,7 +3,8 @@
 For each model and each n_model_shards in (2, 4, 8) a train step (loss, gradients,
 SGD update) is compiled for the mesh (8/n, n) and the collectives XLA inserted are
 read back from the partitioned HLO. Models: the tiny reference architectures and the
-decoder zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`) at the same size, and the
+zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`, and the encoder-decoders `T5` and
+`BART`, whose cross-attention and two FFNs are split too) at the same size, and the
 architectures of `tests/architectures.py` (MoE, DiT, ViT, BERT, encoder-decoder,
 scan-over-layers, raw-array MLP), each with its own hand layout. Layouts:
 
@@ -79,6 +80,33 @@ MODELS: dict[str, Callable[[], eqx.Module]] = {
         ),
         key=KEY,
     ),
+    "zoo t5 v1.1 (gated, cross)": lambda: rc.models.T5(
+        rc.models.T5Config(
+            vocab_size=512,
+            d_model=256,
+            d_kv=32,
+            d_ff=688,
+            num_layers=4,
+            num_heads=8,
+            feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False,
+        ),
+        key=KEY,
+    ),
+    "zoo bart (post-LN, cross)": lambda: rc.models.BART(
+        rc.models.BARTConfig(
+            vocab_size=512,
+            max_position_embeddings=64,
+            d_model=256,
+            encoder_layers=4,
+            decoder_layers=4,
+            encoder_attention_heads=8,
+            decoder_attention_heads=8,
+            encoder_ffn_dim=1024,
+            decoder_ffn_dim=1024,
+        ),
+        key=KEY,
+    ),
     "zoo gptj": lambda: rc.models.GPTJ(
         rc.models.GPTJConfig(
             vocab_size=512, n_positions=64, n_embd=256, n_layer=4, n_head=8, rotary_dim=16
@@ -148,8 +176,15 @@ def batch_for(name: str) -> object:
     return jax.random.randint(key, (16, 64), 0, 512)
 
 
+def forward(model: eqx.Module, x: object) -> jax.Array:
+    """The model on a batch; an encoder-decoder reads the ids as source and target."""
+    if isinstance(model, rc.models.AbstractSeq2SeqLM):
+        return jax.vmap(lambda ids: model(ids, ids))(x)
+    return jax.vmap(model)(x)
+
+
 def loss(model: eqx.Module, x: object) -> jax.Array:
-    out = jax.vmap(model)(x)
+    out = forward(model, x)
     if not isinstance(x, jax.Array) or out.ndim != 3 or x.dtype != jnp.int32:
         return jnp.mean(out**2)
     logp = jax.nn.log_softmax(out, axis=-1)
@@ -216,7 +251,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench-results/bench_comm.json")
     args = parser.parse_args()
     layouts: dict[str, Callable[[str, eqx.Module, int, object], object]] = {
-        "ours": lambda _, m, n, x: rc.sharding_rules(m, n, example_call=lambda mm: jax.vmap(mm)(x)),
+        "ours": lambda _, m, n, x: rc.sharding_rules(m, n, example_call=lambda mm: forward(mm, x)),
         "megatron": hand_layout,
         "decl-order": lambda _, m, n, x: rc.sharding_rules(m, n),
         "naive": lambda _, m, n, x: naive_specs(m, n),

@@ -36,6 +36,7 @@ COUNTERPART = {
     "ppo": "reinforcement_learning",
     "fedavg": "federated_learning",
     "dp_sgd": "differential_privacy",
+    "seq2seq": "text_to_text",
 }
 LIMIT = 120
 

@@ -32,6 +32,7 @@ BARS = {
     "language_modeling": ("below_unigram", "min", 0.30, 300.0),
     "maml": ("mse_after_1_step", "max", 0.30, None),
     "ppo": ("mean_return", "min", 450.0, None),
+    "seq2seq": ("rougeL", "min", 0.90, 300.0),
 }
 
 

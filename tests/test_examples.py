@@ -13,6 +13,7 @@ SMOKE = {
     "dp_sgd": ["--n-epochs", "1", "--per-device-batch-size", "16"],
     "fedavg": ["--n-rounds", "1", "--local-epochs", "1", "--n-clients", "2"],
     "maml": ["--max-steps", "10", "--n-test-tasks", "8"],
+    "seq2seq": ["--max-steps", "4", "--eval-every", "2", "--per-device-batch-size", "4"],
     "ppo": [
         "--n-iterations",
         "2",
@@ -30,6 +31,7 @@ EXPECTED = {
     "fedavg": {"test_accuracy"},
     "maml": {"mse_before", "mse_after_1_step"},
     "ppo": {"mean_return"},
+    "seq2seq": {"rougeL", "rouge2", "exact"},
 }
 
 

@@ -279,7 +279,9 @@ def test_unsupported_architecture_is_named(gpt2_folder: Path, tmp_path: Path) ->
     config = json.loads((folder / "config.json").read_text())
     config.update(model_type="bert", architectures=["BertForMaskedLM"])
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"model_type='bert'.*\['gpt2', 'gptj', 'llama', 'opt'\]"):
+    with pytest.raises(
+        ValueError, match=r"model_type='bert'.*\['bart', 'gpt2', 'gptj', 'llama', 'opt', 't5'\]"
+    ):
         rc.models.from_hf(folder)
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*rc.models.from_hf picks"):
         rc.models.Llama.from_hf(gpt2_folder)

@@ -270,6 +270,8 @@ def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
 
     def spec(path: tuple, leaf: Array) -> P:
         names = [str(getattr(k, "name", getattr(k, "idx", k))) for k in path]
+        if len(names) < 2:  # BART's final_logits_bias: split with the vocabulary it biases
+            return P(MODEL) if names == ["final_logits_bias"] else P()
         owner, kind = names[-2], names[-1]
         if isinstance(model, DeepMLP):
             column = int(names[1]) % 2 == 0

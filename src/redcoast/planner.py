@@ -31,7 +31,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from . import fsdp
 from .mesh import DATA, make_mesh
-from .models import ARCHITECTURES
+from .models import ARCHITECTURES, AbstractSeq2SeqLM
 from .models.hf import HFConfig, read_config
 from .models.presets import PRESETS, preset
 from .sharding import ShardingPlan, optimizer_specs, path_str, sharding_plan, sharding_tree
@@ -204,7 +204,7 @@ def _class_of(model_type: Any) -> type[Any]:
 
 
 def _heads(config: HFConfig) -> int | None:
-    for name in ("num_attention_heads", "n_head"):
+    for name in ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads"):
         value = getattr(config, name, None)
         if isinstance(value, int):
             return value
@@ -214,6 +214,8 @@ def _heads(config: HFConfig) -> int | None:
 def _factory(cls: type[Any], config: HFConfig, remat: str) -> Callable[[PRNGKeyArray], Any]:
     options: dict[str, Any] = {"scan_layers": True}
     if remat != "none":
+        if issubclass(cls, AbstractSeq2SeqLM):
+            raise ValueError(f"{cls.__name__} has no remat policy yet; plan it with remat='none'.")
         options["remat"] = remat
     return lambda key: cls(config, key=key, **options)
 
@@ -224,8 +226,15 @@ def _factory(cls: type[Any], config: HFConfig, remat: str) -> Callable[[PRNGKeyA
 def _loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
     del key
     ids = batch["input_ids"]
-    logits = jax.vmap(model)(ids[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    if isinstance(model, AbstractSeq2SeqLM):
+        # Source and target of the same length: the sequence and itself shifted.
+        logits = jax.vmap(lambda s, d: model(s, d))(ids[:, :-1], ids[:, :-1])
+    else:
+        logits = jax.vmap(model)(ids[:, :-1])
+    labels = ids[:, 1:]
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels
+    ).mean()
 
 
 def _abstract(tree: PyTree, shardings: PyTree, dtype: Any = None) -> PyTree:

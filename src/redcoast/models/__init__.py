@@ -2,11 +2,14 @@
 
 The decoder zoo -- `GPT2`, `Llama`, `OPT`, `GPTJ` -- loads from and saves to Hugging
 Face `transformers` folders (`from_hf`, `to_hf`) and generates with a key/value
-cache (`generate`).
+cache (`generate`). The encoder-decoders `T5` and `BART` do the same, and generate
+greedily, by sampling or by beam search (`generate_seq2seq`).
 """
 
 from .auto import ARCHITECTURES as ARCHITECTURES
 from .auto import from_hf as from_hf
+from .bart import BART as BART
+from .bart import BARTConfig as BARTConfig
 from .causal_lm import AbstractCausalLM as AbstractCausalLM
 from .generation import generate as generate
 from .gpt2 import GPT2 as GPT2
@@ -28,3 +31,8 @@ from .opt import OPT as OPT
 from .opt import OPTConfig as OPTConfig
 from .presets import PRESETS as PRESETS
 from .presets import preset as preset
+from .seq2seq import AbstractSeq2SeqLM as AbstractSeq2SeqLM
+from .seq2seq import Seq2SeqAttention as Seq2SeqAttention
+from .seq2seq_generation import generate_seq2seq as generate_seq2seq
+from .t5 import T5 as T5
+from .t5 import T5Config as T5Config

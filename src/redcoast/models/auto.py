@@ -6,15 +6,18 @@ from jax.sharding import Mesh
 from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
+from .bart import BART
 from .causal_lm import AbstractCausalLM
 from .gpt2 import GPT2
 from .gptj import GPTJ
 from .hf import read_config
 from .llama import Llama
 from .opt import OPT
+from .seq2seq import AbstractSeq2SeqLM
+from .t5 import T5
 
-ARCHITECTURES: dict[str, type[AbstractCausalLM]] = {
-    cls.config_class.model_type: cls for cls in (GPT2, Llama, OPT, GPTJ)
+ARCHITECTURES: dict[str, type[AbstractCausalLM] | type[AbstractSeq2SeqLM]] = {
+    cls.config_class.model_type: cls for cls in (GPT2, Llama, OPT, GPTJ, T5, BART)
 }
 """config.json's `model_type` -> the class that implements it."""
 
@@ -28,8 +31,9 @@ def from_hf(
     scan_layers: bool = False,
     vocab_multiple: int = 1,
     remat: str = "none",
-) -> AbstractCausalLM:
-    """Load a `transformers` `save_pretrained` folder as a `GPT2`, `Llama`, `OPT` or `GPTJ`.
+) -> AbstractCausalLM | AbstractSeq2SeqLM:
+    """Load a `transformers` `save_pretrained` folder as a `GPT2`, `Llama`, `OPT`, `GPTJ`,
+    `T5` or `BART`.
 
     Args:
         path: the folder (config.json + safetensors).

@@ -17,7 +17,6 @@ from typing import Any, ClassVar, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
@@ -70,9 +69,6 @@ def _under_policy(fn: Callable[..., Any], policy: str, gathering: bool) -> Calla
     if gathering and policy == "none":
         return eqx.filter_checkpoint(fn, policy=fsdp.remat_policy())
     return remat(fn, policy)
-
-
-_TRACE_IDS = np.zeros((8,), np.int32)
 
 
 class AbstractCausalLM(eqx.Module):
@@ -141,7 +137,7 @@ class AbstractCausalLM(eqx.Module):
         The ids come from outside the trace (a constant), which is what the rules
         take for data: made inside it they would look like a position table's iota.
         """
-        return self(jnp.asarray(_TRACE_IDS))
+        return self(jnp.asarray(hf.TRACE_IDS))
 
     def __call__(
         self, input_ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None

@@ -38,6 +38,10 @@ from ..sharding import ShardingPlan, _check_spec, path_str, sharding_rules
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
+# The token ids a zoo model's `trace_call` runs on: a constant from outside the
+# trace, which the sharding rules take for data.
+TRACE_IDS = np.zeros((8,), np.int32)
+
 
 class MissingTensorError(KeyError):
     """A tensor the model needs is not in the checkpoint."""
@@ -187,12 +191,15 @@ class TensorMap:
             relative to one block (`attn.q_proj.weight`).
         to_ours: checkpoint tensor -> the arrays of `ours`, in order.
         to_hf: the arrays of `ours` -> the checkpoint tensor.
+        stack: in a per-layer map, the model's field that holds the layers
+            (`blocks`; an encoder-decoder has `encoder_blocks` and `decoder_blocks`).
     """
 
     hf: str
     ours: tuple[str, ...]
     to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]] = _one
     to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray] = _first
+    stack: str = "blocks"
 
     @property
     def per_layer(self) -> bool:
@@ -317,9 +324,9 @@ class _Checkpoint:
         return handle.get_tensor(name)
 
 
-def _layer_count(model: Any) -> tuple[int, bool]:
-    """How many decoder layers, and whether they are stacked (scanned)."""
-    blocks = model.blocks
+def _layer_count(model: Any, stack: str = "blocks") -> tuple[int, bool]:
+    """How many layers the field `stack` holds, and whether they are stacked (scanned)."""
+    blocks = getattr(model, stack)
     if isinstance(blocks, tuple):
         return len(blocks), False
     leaf = jax.tree_util.tree_leaves(blocks)[0]
@@ -327,7 +334,7 @@ def _layer_count(model: Any) -> tuple[int, bool]:
 
 
 def _sources(
-    maps: list[TensorMap], n_layers: int, stacked: bool
+    maps: list[TensorMap], layers: Mapping[str, tuple[int, bool]]
 ) -> dict[str, list[tuple[TensorMap, int | None, int]]]:
     """Our leaf path -> the (map, layer, position in map.ours) pieces it is made of.
 
@@ -335,14 +342,15 @@ def _sources(
     """
     out: dict[str, list[tuple[TensorMap, int | None, int]]] = {}
     for m in maps:
+        n_layers, stacked = layers.get(m.stack, (0, False))
         for j, ours in enumerate(m.ours):
             if not m.per_layer:
                 out[ours] = [(m, None, j)]
             elif stacked:
-                out[f"blocks.{ours}"] = [(m, i, j) for i in range(n_layers)]
+                out[f"{m.stack}.{ours}"] = [(m, i, j) for i in range(n_layers)]
             else:
                 for i in range(n_layers):
-                    out[f"blocks.{i}.{ours}"] = [(m, i, j)]
+                    out[f"{m.stack}.{i}.{ours}"] = [(m, i, j)]
     return out
 
 
@@ -391,12 +399,15 @@ def load(
     _check_model_type(values, cls, folder)
     config = dataclasses.replace(cls.config_class.from_dict(values), vocab_multiple=vocab_multiple)
     config.padded_vocab_size  # noqa: B018 - checks vocab_multiple before anything is read
+    # Only the decoders take remat= so far; the encoder-decoders are built without it.
+    options = {} if remat == "none" else {"remat": remat}
     skeleton = eqx.filter_eval_shape(
-        cls, config, scan_layers=scan_layers, remat=remat, key=jax.random.key(0)
+        cls, config, scan_layers=scan_layers, key=jax.random.key(0), **options
     )
     flat, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
-    n_layers, stacked = _layer_count(skeleton)
-    sources = _sources(cls.hf_tensors(config), n_layers, stacked)
+    maps = cls.hf_tensors(config)
+    layers = {m.stack: _layer_count(skeleton, m.stack) for m in maps if m.per_layer}
+    sources = _sources(maps, layers)
     checkpoint = _Checkpoint(folder, cls.hf_base_prefix)
     shardings = {} if mesh is None else _shardings(cls, skeleton, mesh, specs)
 
@@ -410,10 +421,11 @@ def load(
         if pieces is None:
             raise AssertionError(f"{cls.__name__}.hf_tensors does not say where {name} comes from")
         parts = []
+        stacked = pieces[0][1] is not None and layers[pieces[0][0].stack][1]
         for m, layer, j in pieces:
             hf_name = m.hf if layer is None else m.hf.format(i=layer)
             tensor = checkpoint.get(hf_name, name)
-            want = tuple(leaf.shape[1:] if layer is not None and stacked else leaf.shape)
+            want = tuple(leaf.shape[1:] if stacked else leaf.shape)
             converted = _convert(m, tensor, hf_name, name, want)[j]
             if tuple(converted.shape) != want:
                 raise ValueError(
@@ -422,7 +434,7 @@ def load(
                     "different config."
                 )
             parts.append(converted)
-        host = np.stack(parts) if stacked and pieces[0][1] is not None else parts[0]
+        host = np.stack(parts) if stacked else parts[0]
         if dtype is not None and jnp.issubdtype(host.dtype, jnp.floating):
             host = host.astype(dtype)
         leaves.append(_place(host, shardings.get(name)))
@@ -486,22 +498,22 @@ def save(model: Any, path: str | Path) -> None:
     folder = Path(path)
     flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
     arrays = {path_str(p): leaf for p, leaf in flat}
-    n_layers, stacked = _layer_count(model)
     tensors: dict[str, np.ndarray] = {}
     for m in type(model).hf_tensors(model.config):
+        n_layers, stacked = _layer_count(model, m.stack) if m.per_layer else (0, False)
         hosts = {}
         for ours in m.ours:
             if not m.per_layer:
                 hosts[ours] = to_host(arrays[ours])
             elif stacked:
-                hosts[ours] = to_host(arrays[f"blocks.{ours}"])
+                hosts[ours] = to_host(arrays[f"{m.stack}.{ours}"])
         for layer in range(n_layers) if m.per_layer else [None]:
             if layer is None:
                 parts = tuple(hosts[ours] for ours in m.ours)
             elif stacked:
                 parts = tuple(hosts[ours][layer] for ours in m.ours)
             else:
-                parts = tuple(to_host(arrays[f"blocks.{layer}.{ours}"]) for ours in m.ours)
+                parts = tuple(to_host(arrays[f"{m.stack}.{layer}.{ours}"]) for ours in m.ours)
             name = m.hf if layer is None else m.hf.format(i=layer)
             tensors[name] = np.ascontiguousarray(m.to_hf(parts))
     values = model.config.to_dict()

@@ -1,4 +1,5 @@
-"""Named sizes of the zoo: the published configurations of GPT-2, LLaMA, GPT-J and OPT.
+"""Named sizes of the zoo: the published configurations of GPT-2, LLaMA, GPT-J, OPT,
+BART and T5 (the original T5 1.0: `t5-xxl` is the 11B model).
 
 `preset("llama-7b")` gives the class and config of that model, as its
 `config.json` on the Hugging Face hub has them, so a model can be planned
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .bart import BART, BARTConfig
 from .gpt2 import GPT2, GPT2Config
 from .gptj import GPTJ, GPTJConfig
 from .hf import HFConfig
 from .llama import Llama, LlamaConfig
 from .opt import OPT, OPTConfig
+from .t5 import T5, T5Config
 
 
 def _opt(hidden: int, layers: int, heads: int) -> OPTConfig:
@@ -50,6 +53,12 @@ PRESETS: dict[str, tuple[type[Any], HFConfig]] = {
     "opt-13b": (OPT, _opt(5120, 40, 40)),
     "opt-30b": (OPT, _opt(7168, 48, 56)),
     "opt-66b": (OPT, _opt(9216, 64, 72)),
+    "bart-large": (BART, BARTConfig()),
+    "t5-large": (T5, T5Config(d_model=1024, d_ff=4096, num_layers=24, num_heads=16)),
+    "t5-xxl": (
+        T5,
+        T5Config(d_model=1024, d_kv=128, d_ff=65536, num_layers=24, num_heads=128),
+    ),
 }
 """Preset name -> (model class, config)."""
 

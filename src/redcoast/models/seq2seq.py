@@ -1,0 +1,608 @@
+"""What the encoder-decoders of the zoo (`T5`, `BART`) share, written once.
+
+A model is shared token embeddings, an encoder stack of `EncoderLayer`s (self-attention
+and a feed-forward network), a decoder stack of `DecoderLayer`s (causal self-attention,
+cross-attention to the encoder's output, a feed-forward network) and a vocabulary head.
+Each stack is a tuple of layers, or one layer with stacked arrays run under `lax.scan`.
+`AbstractSeq2SeqLM` runs the forward pass, the encoder once plus a cached decoder for
+generation, and the Hugging Face import/export; an architecture says how it embeds
+tokens and positions, where its norms sit, and how its arrays map to a checkpoint.
+
+Attention projections are named `q_proj`, `k_proj`, `v_proj`, `o_proj`, cross-attention
+included, so the sharding rules split all of them Megatron's way: Q/K/V by heads, O on
+its input, and both feed-forward networks column- then row-parallel.
+"""
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
+
+from . import hf
+from .checks import check_range
+from .layers import MLP, KVCache, Norm, SwiGLU
+
+_Model = TypeVar("_Model", bound="AbstractSeq2SeqLM")
+_Layer = TypeVar("_Layer", bound=eqx.Module)
+
+
+class Seq2SeqAttention(eqx.Module):
+    """Multi-head attention from queries `x` to keys and values given separately.
+
+    Self-attention passes `keys_values(x)`; cross-attention passes the encoder output's
+    `keys_values`, computed once per sequence and reused at every decoding step. An
+    additive bias (T5's relative positions) may be added to the scores.
+
+    Args:
+        hidden_size: width of the input and output.
+        num_heads: attention heads.
+        head_dim: width of one head (T5's `d_kv` need not be `hidden_size / num_heads`).
+        use_bias: the four projections have biases (BART) or not (T5).
+        scale: multiplies the scores; `head_dim ** -0.5` (BART), 1 (T5, whose
+            initialisation folds the scale into the query projection).
+        key: for the initialisation.
+
+    Example:
+        >>> attn = Seq2SeqAttention(32, 4, 8, use_bias=True, scale=8**-0.5, key=jax.random.key(0))
+        >>> memory = attn.keys_values(jnp.ones((7, 32)))
+        >>> attn(jnp.ones((5, 32)), memory, jnp.ones((5, 7), bool)).shape
+        (5, 32)
+    """
+
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    o_proj: eqx.nn.Linear
+    num_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    scale: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        use_bias: bool,
+        scale: float,
+        key: PRNGKeyArray,
+    ):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        inner = num_heads * head_dim
+        self.q_proj = eqx.nn.Linear(hidden_size, inner, use_bias=use_bias, key=kq)
+        self.k_proj = eqx.nn.Linear(hidden_size, inner, use_bias=use_bias, key=kk)
+        self.v_proj = eqx.nn.Linear(hidden_size, inner, use_bias=use_bias, key=kv)
+        self.o_proj = eqx.nn.Linear(inner, hidden_size, use_bias=use_bias, key=ko)
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def keys_values(self, source: Float[Array, "src hidden"]) -> KVCache:
+        """The keys and values of `source`, split into heads (where the rules read the count)."""
+        shape = (source.shape[0], self.num_heads, self.head_dim)
+        key = jax.vmap(self.k_proj)(source).reshape(shape)
+        return KVCache(key, jax.vmap(self.v_proj)(source).reshape(shape))
+
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        memory: KVCache,
+        visible: Bool[Array, "seq src"],
+        bias: Float[Array, "heads seq src"] | None = None,
+    ) -> Float[Array, "seq hidden"]:
+        """Attend from each position of `x` to the visible slots of `memory`."""
+        seq = x.shape[0]
+        q = jax.vmap(self.q_proj)(x).reshape(seq, self.num_heads, self.head_dim)
+        scores = jnp.einsum("thd,shd->hts", q, memory.key.astype(q.dtype)) * self.scale
+        # Softmax in float32 whatever the weights' dtype, as transformers does.
+        scores = scores.astype(jnp.float32)
+        if bias is not None:
+            scores = scores + bias.astype(jnp.float32)
+        scores = jnp.where(visible[None], scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        out = jnp.einsum("hts,shd->thd", weights, memory.value.astype(q.dtype))
+        return jax.vmap(self.o_proj)(out.reshape(seq, -1))
+
+
+def _pre(x: Float[Array, "seq hidden"], norm: Norm, post_norm: bool) -> Float[Array, "seq hidden"]:
+    """A sublayer's input: the residual stream, normed first in a pre-norm block (T5)."""
+    return x if post_norm else jax.vmap(norm)(x)
+
+
+def _post(
+    x: Float[Array, "seq hidden"], out: Float[Array, "seq hidden"], norm: Norm, post_norm: bool
+) -> Float[Array, "seq hidden"]:
+    """Add a sublayer's output to the residual stream; a post-norm block (BART) norms the sum."""
+    return jax.vmap(norm)(x + out) if post_norm else x + out
+
+
+class EncoderLayer(eqx.Module):
+    """Bidirectional self-attention, then a feed-forward network, each with a residual.
+
+    Pre-norm (T5): `x + f(norm(x))`; post-norm (BART): `norm(x + f(x))`.
+    """
+
+    attn_norm: Norm
+    attn: Seq2SeqAttention
+    mlp_norm: Norm
+    mlp: MLP | SwiGLU
+    post_norm: bool = eqx.field(static=True)
+
+    def __call__(
+        self,
+        x: Float[Array, "src hidden"],
+        visible: Bool[Array, "src src"],
+        bias: Float[Array, "heads src src"] | None,
+    ) -> Float[Array, "src hidden"]:
+        """Run the layer on one source sequence; `visible` masks padding."""
+        h = _pre(x, self.attn_norm, self.post_norm)
+        x = _post(
+            x, self.attn(h, self.attn.keys_values(h), visible, bias), self.attn_norm, self.post_norm
+        )
+        return _post(
+            x, self.mlp(_pre(x, self.mlp_norm, self.post_norm)), self.mlp_norm, self.post_norm
+        )
+
+
+class DecoderLayer(eqx.Module):
+    """Causal self-attention, cross-attention to the encoder, a feed-forward network."""
+
+    attn_norm: Norm
+    attn: Seq2SeqAttention
+    cross_norm: Norm
+    cross_attn: Seq2SeqAttention
+    mlp_norm: Norm
+    mlp: MLP | SwiGLU
+    post_norm: bool = eqx.field(static=True)
+
+    def __call__(
+        self,
+        x: Float[Array, "seq hidden"],
+        memory: KVCache,
+        cross_visible: Bool[Array, "seq src"],
+        visible: Bool[Array, "seq kv"],
+        bias: Float[Array, "heads seq kv"] | None,
+        cache: KVCache | None = None,
+        index: Int[Array, ""] | int = 0,
+    ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
+        """Run the layer on one target sequence.
+
+        Args:
+            x: hidden states of the target tokens.
+            memory: this layer's cross-attention keys and values of the encoder output.
+            cross_visible: which source slots each target token sees (padding masked).
+            visible: which self-attention slots each token sees (causal).
+            bias: added to the self-attention scores (T5), or `None`.
+            cache: keys and values of earlier target tokens; `None` to attend within `x`.
+            index: with a cache, the slot of `x[0]`; `x` is written at `[index, index + seq)`.
+
+        Returns:
+            The new hidden states, and the cache with `x`'s keys and values (or `None`).
+        """
+        h = _pre(x, self.attn_norm, self.post_norm)
+        own = self.attn.keys_values(h)
+        if cache is not None:
+            own = jax.tree.map(
+                lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), index, 0),
+                cache,
+                own,
+            )
+        x = _post(x, self.attn(h, own, visible, bias), self.attn_norm, self.post_norm)
+        h = _pre(x, self.cross_norm, self.post_norm)
+        x = _post(x, self.cross_attn(h, memory, cross_visible), self.cross_norm, self.post_norm)
+        x = _post(
+            x, self.mlp(_pre(x, self.mlp_norm, self.post_norm)), self.mlp_norm, self.post_norm
+        )
+        return x, None if cache is None else own
+
+
+Stack = tuple[Any, ...] | Any
+"""Layers: a tuple, or one layer whose arrays carry a leading layer axis (scanned)."""
+
+
+def make_stack(
+    make: Callable[[PRNGKeyArray], _Layer], n_layers: int, *, scan_layers: bool, key: PRNGKeyArray
+) -> tuple[_Layer, ...] | _Layer:
+    """`n_layers` layers from `make(key)`: a tuple, or one layer with stacked arrays.
+
+    Args:
+        make: builds one layer from a key.
+        n_layers: how many.
+        scan_layers: stack them (run under `lax.scan`, compiled once) instead of a tuple.
+        key: split into one key per layer.
+
+    Returns:
+        The layers.
+    """
+    keys = jax.random.split(key, n_layers)
+    if scan_layers:
+        return eqx.filter_vmap(make)(keys)
+    return tuple(make(k) for k in keys)
+
+
+def run_stack(
+    layers: Stack,
+    x: Float[Array, "seq hidden"],
+    per_layer: PyTree,
+    fn: Callable[
+        [Any, Float[Array, "seq hidden"], PyTree], tuple[Float[Array, "seq hidden"], PyTree]
+    ],
+) -> tuple[Float[Array, "seq hidden"], PyTree]:
+    """Thread `x` through the layers: `x, out = fn(layer, x, per_layer[i])` for each.
+
+    Args:
+        layers: a tuple, or stacked layers (then `lax.scan`).
+        x: the hidden states entering the first layer.
+        per_layer: one input per layer (a tuple, or stacked arrays for stacked layers),
+            or `None`.
+        fn: runs one layer.
+
+    Returns:
+        The last layer's hidden states and the layers' outputs (a tuple, or stacked).
+    """
+    if not isinstance(layers, tuple):
+        params, static = eqx.partition(layers, eqx.is_array)
+
+        def body(h: Array, layer: tuple[PyTree, PyTree]) -> tuple[Array, PyTree]:
+            p, extra = layer
+            return fn(eqx.combine(p, static), h, extra)
+
+        return jax.lax.scan(body, x, (params, per_layer))
+    outs = []
+    for i, layer in enumerate(layers):
+        x, out = fn(layer, x, None if per_layer is None else per_layer[i])
+        outs.append(out)
+    return x, tuple(outs)
+
+
+def _mask_padded_vocab(logits: Float[Array, "seq vocab"], vocab: int) -> Float[Array, "seq vocab"]:
+    # Rows padded for an even split (config.vocab_multiple) are never predicted; a mask
+    # keeps the logits split on the vocabulary, where a slice would not.
+    if logits.shape[-1] == vocab:
+        return logits
+    real = jnp.arange(logits.shape[-1]) < vocab
+    return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
+
+
+class AbstractSeq2SeqLM(eqx.Module):
+    """An encoder-decoder language model: shared embeddings, two stacks, a vocabulary head.
+
+    Called on one unbatched source sequence and one target sequence (the decoder input:
+    the start token, then the target shifted right), it returns the logits of the next
+    target token at every target position; batch it with `jax.vmap`. For generation,
+    `encode` runs once, `cross_cache` computes every layer's cross-attention keys and
+    values once, and `decode` feeds new target tokens through a key/value cache.
+    Concrete models: `T5`, `BART`.
+
+    Attributes:
+        embed_tokens: the token embeddings, shared by encoder, decoder (and a tied head).
+        encoder_blocks: the encoder layers.
+        decoder_blocks: the decoder layers.
+        lm_head: the vocabulary head, or `None` when tied to `embed_tokens`.
+    """
+
+    embed_tokens: eqx.AbstractVar[eqx.nn.Embedding]
+    encoder_blocks: eqx.AbstractVar[Stack]
+    decoder_blocks: eqx.AbstractVar[Stack]
+    lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
+    config: eqx.AbstractVar[Any]
+
+    config_class: ClassVar[type[hf.HFConfig]]
+    tied_hf_tensors: ClassVar[tuple[str, ...]] = ()
+    hf_base_prefix: ClassVar[str] = ""
+
+    @classmethod
+    @abc.abstractmethod
+    def hf_tensors(cls, config: Any) -> list[hf.TensorMap]:
+        """How this architecture's arrays map to a `transformers` checkpoint's tensors."""
+
+    @abc.abstractmethod
+    def _embed(
+        self, ids: Int[Array, " seq"], positions: Int[Array, " seq"], decoder: bool
+    ) -> Float[Array, "seq hidden"]:
+        """Token (and position) embeddings entering the encoder or the decoder."""
+
+    @abc.abstractmethod
+    def _final(self, x: Float[Array, "seq hidden"], decoder: bool) -> Float[Array, "seq hidden"]:
+        """What follows the last layer of the encoder or the decoder (a norm, or nothing)."""
+
+    @abc.abstractmethod
+    def _bias(
+        self, queries: Int[Array, " seq"], keys: Int[Array, " kv"], decoder: bool
+    ) -> Float[Array, "heads seq kv"] | None:
+        """The self-attention score bias for these query and key positions (T5), or `None`."""
+
+    @abc.abstractmethod
+    def _head(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
+        """Logits from the decoder's output."""
+
+    @property
+    @abc.abstractmethod
+    def max_positions(self) -> int | None:
+        """The longest sequence a position table allows (BART); `None` for T5."""
+
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the model knows: valid ids are `[0, vocab_size)`."""
+        return int(self.config.vocab_size)
+
+    def special_token(self, name: str) -> int | None:
+        """A token id of the config (`eos_token_id`, `decoder_start_token_id`, ...), or `None`.
+
+        Example:
+            >>> model.special_token("decoder_start_token_id")
+            0
+        """
+        value = getattr(self.config, name, None)
+        value = self.config.get_extra(name) if value is None else value
+        if isinstance(value, list):  # transformers allows several EOS ids; the first is used
+            value = value[0] if value else None
+        return None if value is None else int(value)
+
+    def trace_call(self) -> Array:
+        """The call the sharding rules trace when none is given: eight source and target ids.
+
+        The ids come from outside the trace (a constant), which is what the rules take
+        for data: made inside it they would look like a position table's iota.
+        """
+        ids = jnp.asarray(hf.TRACE_IDS)
+        return self(ids, ids)
+
+    def _check_ids(self, ids: Int[Array, " seq"], what: str) -> Int[Array, " seq"]:
+        # jnp indexing clamps: a wrong id would embed as the last row without an error.
+        return check_range(
+            ids,
+            0,
+            self.vocab_size,
+            f"{what} (token ids)",
+            f"{type(self).__name__} has a vocabulary of {self.vocab_size}; check the "
+            "tokenizer matches the model, and pad with a real token id.",
+        )
+
+    def _check_length(self, seq: int, what: str) -> None:
+        limit = self.max_positions
+        if limit is not None and seq > limit:
+            raise ValueError(
+                f"{what} has {seq} tokens but {type(self).__name__}'s position table has "
+                f"{limit} positions (config max_position_embeddings); truncate the sequence."
+            )
+
+    def encode(
+        self,
+        input_ids: Int[Array, " src"],
+        attention_mask: Bool[ArrayLike, " src"] | Int[ArrayLike, " src"] | None = None,
+    ) -> Float[Array, "src hidden"]:
+        """The encoder's output for one source sequence.
+
+        Args:
+            input_ids: source token ids.
+            attention_mask: 1 for real tokens, 0 for padding (never attended to);
+                default: all real.
+
+        Returns:
+            The hidden states the decoder attends to.
+        """
+        seq = input_ids.shape[0]
+        self._check_length(seq, "input_ids")
+        positions = jnp.arange(seq)
+        x = self._embed(self._check_ids(input_ids, "input_ids"), positions, False)
+        keep = _mask(attention_mask, seq)
+        visible = jnp.broadcast_to(keep[None, :], (seq, seq))
+        bias = self._bias(positions, positions, False)
+
+        def layer(block: EncoderLayer, h: Array, _: None) -> tuple[Array, None]:
+            return block(h, visible, bias), None
+
+        x, _ = run_stack(self.encoder_blocks, x, None, layer)
+        return self._final(x, False)
+
+    def cross_cache(self, memory: Float[Array, "src hidden"]) -> Stack:
+        """Every decoder layer's cross-attention keys and values of the encoder output.
+
+        Returns:
+            One `KVCache` per layer (a tuple), or one stacked `KVCache` for scanned layers.
+        """
+        _, out = run_stack(
+            self.decoder_blocks, memory, None, lambda b, h, _: (h, b.cross_attn.keys_values(h))
+        )
+        return out
+
+    def init_cache(self, max_len: int, dtype: DTypeLike | None = None) -> Stack:
+        """An empty self-attention cache for one target sequence of up to `max_len` tokens.
+
+        Args:
+            max_len: decoder start token plus generated tokens.
+            dtype: of the cached keys and values; default: the model's parameter dtype.
+
+        Returns:
+            One `KVCache` per decoder layer (a tuple), or one stacked `KVCache`.
+        """
+        dtype = self.embed_tokens.weight.dtype if dtype is None else dtype
+
+        def empty(block: DecoderLayer) -> KVCache:
+            shape = (max_len, block.attn.num_heads, block.attn.head_dim)
+            return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+        if isinstance(self.decoder_blocks, tuple):
+            return tuple(empty(b) for b in self.decoder_blocks)
+        return eqx.filter_vmap(empty)(self.decoder_blocks)
+
+    def decode(
+        self,
+        decoder_input_ids: Int[Array, " seq"],
+        cache: Stack,
+        index: Int[Array, ""] | int,
+        cross: Stack,
+        attention_mask: Bool[ArrayLike, " src"] | Int[ArrayLike, " src"] | None = None,
+    ) -> tuple[Float[Array, "seq vocab"], Stack]:
+        """The decoder's forward pass for target tokens that continue a cached sequence.
+
+        Args:
+            decoder_input_ids: the new target tokens (the start token first, then one per step).
+            cache: from `init_cache`, holding the keys and values of positions `< index`.
+            index: the position of `decoder_input_ids[0]`.
+            cross: from `cross_cache(encode(input_ids))`.
+            attention_mask: the source's padding mask given to `encode`.
+
+        Returns:
+            The logits of the new tokens and the cache with their keys and values.
+
+        Example:
+            >>> memory = model.encode(source)
+            >>> cross, cache = model.cross_cache(memory), model.init_cache(16)
+            >>> logits, cache = model.decode(jnp.array([start]), cache, 0, cross)
+        """
+        seq = decoder_input_ids.shape[0]
+        slots = jax.tree.leaves(cache)[0].shape[-3]
+        what = f"index (the position of the first of {seq} new tokens)"
+        index = check_range(
+            index, 0, slots - seq + 1, what, f"the cache has {slots} slots; init_cache(max_len)."
+        )
+        if self.max_positions is not None:
+            limit = f"{type(self).__name__}'s position table has {self.max_positions} positions."
+            index = check_range(index, 0, self.max_positions - seq + 1, what, limit)
+        positions = index + jnp.arange(seq)
+        keys = jnp.arange(slots)
+        visible = keys[None, :] <= positions[:, None]
+        return self._decoder(
+            decoder_input_ids, positions, keys, visible, cross, cache, index, attention_mask
+        )
+
+    def __call__(
+        self,
+        input_ids: Int[Array, " src"],
+        decoder_input_ids: Int[Array, " seq"],
+        *,
+        attention_mask: Bool[ArrayLike, " src"] | Int[ArrayLike, " src"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "seq vocab"]:
+        """Next-token logits at every target position, teacher-forced.
+
+        Args:
+            input_ids: source token ids of one sequence (vmap for a batch).
+            decoder_input_ids: the decoder's input: the start token, then the target
+                without its last token.
+            attention_mask: 1 for real source tokens, 0 for padding; default all real.
+            key: accepted for the Equinox calling convention; unused (no dropout).
+
+        Returns:
+            Logits, `(seq, vocab)`.
+        """
+        del key
+        memory = self.encode(input_ids, attention_mask)
+        seq = decoder_input_ids.shape[0]
+        self._check_length(seq, "decoder_input_ids")
+        positions = jnp.arange(seq)
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        cross = self.cross_cache(memory)
+        logits, _ = self._decoder(
+            decoder_input_ids, positions, positions, causal, cross, None, 0, attention_mask
+        )
+        return logits
+
+    def _decoder(
+        self,
+        ids: Int[Array, " seq"],
+        positions: Int[Array, " seq"],
+        keys: Int[Array, " kv"],
+        visible: Bool[Array, "seq kv"],
+        cross: Stack,
+        cache: Stack | None,
+        index: Int[Array, ""] | int,
+        attention_mask: Bool[ArrayLike, " src"] | Int[ArrayLike, " src"] | None,
+    ) -> tuple[Float[Array, "seq vocab"], Stack]:
+        src = jax.tree.leaves(cross)[0].shape[-3]
+        seq = ids.shape[0]
+        cross_visible = jnp.broadcast_to(_mask(attention_mask, src)[None, :], (seq, src))
+        bias = self._bias(positions, keys, True)
+        x = self._embed(self._check_ids(ids, "decoder_input_ids"), positions, True)
+
+        def layer(block: DecoderLayer, h: Array, inputs: tuple) -> tuple[Array, Any]:
+            memory, c = inputs
+            return block(h, memory, cross_visible, visible, bias, c, index)
+
+        if isinstance(self.decoder_blocks, tuple):
+            n = len(self.decoder_blocks)
+            per_layer: PyTree = tuple(
+                zip(cross, (None,) * n if cache is None else cache, strict=True)
+            )
+        else:
+            per_layer = (cross, cache)
+        x, new = run_stack(self.decoder_blocks, x, per_layer, layer)
+        logits = self._head(self._final(x, True))
+        return _mask_padded_vocab(logits, self.vocab_size), new
+
+    @classmethod
+    def from_hf(
+        cls: type[_Model],
+        path: str | Path,
+        *,
+        mesh: Mesh | None = None,
+        specs: PyTree | None = None,
+        dtype: DTypeLike | None = None,
+        scan_layers: bool = False,
+        vocab_multiple: int = 1,
+        remat: str = "none",
+    ) -> _Model:
+        """Load a `transformers` `save_pretrained` folder (config.json + safetensors).
+
+        Arrays are read, converted and checked one at a time; with a `mesh` each is
+        placed straight onto it (see `AbstractCausalLM.from_hf`, which this mirrors).
+
+        Args:
+            path: the folder.
+            mesh: from `rc.make_mesh`; without it arrays go to the default device.
+            specs: a `PartitionSpec` tree for this model; derived by the rules when omitted.
+            dtype: cast floating arrays to this dtype; default: as stored.
+            scan_layers: stack each stack's layers and run them with `lax.scan`.
+            vocab_multiple: pad the vocabulary to a multiple of this for an even split.
+            remat: accepted for `rc.models.from_hf`; only `"none"` so far (the
+                encoder-decoders have no remat policy yet).
+
+        Returns:
+            The model.
+
+        Example:
+            >>> model = rc.models.T5.from_hf("t5-small-folder", mesh=rc.make_mesh(2))
+        """
+        if remat != "none":
+            raise ValueError(f"{cls.__name__} has no remat policy yet; load it with remat='none'.")
+        return hf.load(
+            cls,
+            path,
+            mesh=mesh,
+            specs=specs,
+            dtype=dtype,
+            scan_layers=scan_layers,
+            vocab_multiple=vocab_multiple,
+        )
+
+    def to_hf(self, path: str | Path) -> None:
+        """Write `config.json` and `model.safetensors` that `transformers` loads.
+
+        Example:
+            >>> model.to_hf("out")
+            >>> transformers.AutoModelForSeq2SeqLM.from_pretrained("out")
+        """
+        hf.save(self, path)
+
+
+def _mask(
+    attention_mask: Bool[ArrayLike, " src"] | Int[ArrayLike, " src"] | None, src: int
+) -> Bool[Array, " src"]:
+    if attention_mask is None:
+        return jnp.ones((src,), bool)
+    return jnp.asarray(attention_mask).astype(bool)
+
+
+def in_stack(maps: list[hf.TensorMap], stack: str) -> list[hf.TensorMap]:
+    """The per-layer `maps` with their layers in the model's field `stack`."""
+    return [dataclasses.replace(m, stack=stack) for m in maps]
