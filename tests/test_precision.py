@@ -62,7 +62,7 @@ def _assert_trees_close(a, b, rtol, atol=0.0):
 # ----------------------------------------------------------------------------- remat
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_remat_gives_the_loss_and_gradients_of_no_remat(scan_layers):
     ids = jnp.asarray(_counting(4))
     results = {
@@ -157,6 +157,7 @@ def _temp_bytes(model, precision="fp32", batch=8, seq=128):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_full_remat_at_least_halves_the_compiled_steps_temporaries():
     # 8 scanned layers, 256 wide, sequences of 128: activations dominate the temporaries.
     config = GPT2Config(vocab_size=512, n_positions=128, n_embd=256, n_layer=8, n_head=8)
@@ -202,7 +203,13 @@ def _float_dtypes(tree):
     return {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
 
 
-@pytest.mark.parametrize("make", [lambda k: GPT2(TINY, key=k), lambda k: Llama(TINY_LLAMA, key=k)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda k: GPT2(TINY, key=k),
+        pytest.param(lambda k: Llama(TINY_LLAMA, key=k), marks=pytest.mark.slow),
+    ],
+)
 def test_bf16_tracks_fp32_with_float32_master_weights(make):
     # bfloat16 keeps 8 bits of mantissa, a relative rounding of 2**-9 ~ 2e-3 per
     # operation. Measured over 5 Adam steps at 3e-3: losses within 1.8e-3 (GPT-2) and
@@ -216,6 +223,7 @@ def test_bf16_tracks_fp32_with_float32_master_weights(make):
     assert _float_dtypes(opt_state) == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_bf16_step_hands_float32_gradients_close_to_fp32_ones_to_the_master_weights():
     # With SGD at learning rate 1 the update is minus the gradient, read off the params.
     model = GPT2(TINY, key=jax.random.key(0))
@@ -245,6 +253,7 @@ def test_pure_bf16_stores_and_trains_in_bfloat16():
     assert losses[-3:].mean() < 0.5 * losses[:3].mean()
 
 
+@pytest.mark.slow
 def test_bf16_under_accumulation_and_shard_map_gives_the_jit_steps_numbers():
     # Accumulation and the shard_map path sum the bfloat16 gradients in other orders;
     # the float32 loss after two steps agrees to bfloat16 rounding.
@@ -340,6 +349,7 @@ def _fit(precision, mesh, n_steps=4):
     )
 
 
+@pytest.mark.slow
 def test_fit_in_bf16_on_a_2x4_mesh_tracks_fp32():
     mesh = rc.make_mesh(4)
     fp32, bf16 = _fit("fp32", mesh), _fit("bf16", mesh)
@@ -370,6 +380,7 @@ def test_fit_in_bf16_on_a_2x4_mesh_tracks_fp32():
     assert q.sharding.shard_shape(q.shape)[0] == q.shape[0] // 4
 
 
+@pytest.mark.slow
 def test_fit_in_pure_bf16_casts_the_model_once():
     result = _fit("pure-bf16", rc.make_mesh(2), n_steps=2)
     assert _float_dtypes((result.model, result.opt_state)) == {jnp.dtype(jnp.bfloat16)}
