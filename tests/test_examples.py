@@ -35,8 +35,8 @@ EXPECTED = {
 }
 
 
-# The demo runs here; the examples' smoke runs go to `nox -s slow`.
-SLOW = set(SMOKE)
+# The demo and the seq2seq example run here; the other smoke runs go to `nox -s slow`.
+SLOW = set(SMOKE) - {"seq2seq"}
 
 
 @pytest.mark.parametrize(
