@@ -19,7 +19,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tiny import megatron_specs
+from tiny import drawn, megatron_specs
 
 import redcoast as rc
 
@@ -56,18 +56,7 @@ def build(arch: str, *, scan_layers: bool = False) -> rc.models.AbstractCausalLM
     """One model per architecture, shared by the tests (models are immutable; no test
     donates them). The arrays are drawn on the host into the shapes the constructor
     gives, which compiles nothing (eager initialisation compiles every op)."""
-    cls = rc.models.ARCHITECTURES[arch]
-    skeleton = eqx.filter_eval_shape(
-        cls, CONFIGS[arch], scan_layers=scan_layers, key=jax.random.key(0)
-    )
-    rng = np.random.default_rng(0)
-
-    def draw(leaf: object) -> object:
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        return jnp.asarray(rng.normal(0.0, 0.3, leaf.shape).astype(leaf.dtype))
-
-    return jax.tree_util.tree_map(draw, skeleton)
+    return drawn(rc.models.ARCHITECTURES[arch], CONFIGS[arch], scan_layers=scan_layers)
 
 
 def spec_leaves(tree: object) -> list[P]:

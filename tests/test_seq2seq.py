@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
-from tiny import megatron_specs
+from tiny import drawn, megatron_specs
 
 import redcoast as rc
 
@@ -316,17 +316,7 @@ BATCH = {
 def build(arch: str, *, scan_layers: bool = False) -> rc.models.AbstractSeq2SeqLM:
     """One model per architecture, drawn on the host (compiles nothing)."""
     cls = rc.models.BART if arch == "bart" else rc.models.T5
-    skeleton = eqx.filter_eval_shape(
-        cls, CONFIGS[arch], scan_layers=scan_layers, key=jax.random.key(0)
-    )
-    rng = np.random.default_rng(0)
-
-    def draw(leaf: object) -> object:
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        return jnp.asarray(rng.normal(0.0, 0.3, leaf.shape).astype(leaf.dtype))
-
-    return jax.tree_util.tree_map(draw, skeleton)
+    return drawn(cls, CONFIGS[arch], scan_layers=scan_layers)
 
 
 def loss_fn(model: rc.models.AbstractSeq2SeqLM, batch: dict, key: jax.Array) -> jax.Array:

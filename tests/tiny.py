@@ -14,6 +14,7 @@ All are called on one unbatched input and batched with `jax.vmap`.
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
@@ -291,3 +292,17 @@ def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
         return P(*([None] * (leaf.ndim - len(trailing))), *trailing)
 
     return jax.tree_util.tree_map_with_path(spec, eqx.filter(model, eqx.is_array))
+
+
+def drawn(cls: type, config: object, *, scan_layers: bool = False) -> eqx.Module:
+    """A model of `cls` whose arrays are drawn on the host into the shapes the
+    constructor gives, which compiles nothing (eager initialisation compiles every op)."""
+    skeleton = eqx.filter_eval_shape(cls, config, scan_layers=scan_layers, key=jax.random.key(0))
+    rng = np.random.default_rng(0)
+
+    def draw(leaf: object) -> object:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        return jnp.asarray(rng.normal(0.0, 0.3, leaf.shape).astype(leaf.dtype))
+
+    return jax.tree_util.tree_map(draw, skeleton)
