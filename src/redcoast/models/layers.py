@@ -116,7 +116,7 @@ def dense(layer: eqx.nn.Linear, x: Float[Array, "*tokens in"]) -> Float[Array, "
     residual stream's gradient, XLA fuses the sum that produces it (a term from
     every later layer) into that copy and recomputes it there for each projection,
     element by element with strided reads; in a training step of a 4-layer GPT-2
-    on 8 CPU devices those copies took a quarter of the step. Here the gradient is
+    on 8 CPU devices those copies took a fifth of the step. Here the gradient is
     `(x^T g)^T`, which copies `x` (cheap to produce) instead, and under `jax.vmap`
     (a batch of sequences) the batch joins the token axes, so one matmul computes
     the batch's weight gradient rather than one per example summed afterwards.
