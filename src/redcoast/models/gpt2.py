@@ -1,6 +1,7 @@
 """GPT-2 (Radford et al. 2019): learned positions, pre-LayerNorm, GELU MLP, tied head."""
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import equinox as eqx
@@ -10,6 +11,7 @@ from jaxtyping import PRNGKeyArray
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from .init import normal_init, zero_unused_rows
 from .layers import MLP, Attention, DecoderBlock, Norm, activation
 
 
@@ -33,6 +35,7 @@ class GPT2Config(hf.HFConfig):
     n_inner: int | None = None
     activation_function: str = "gelu_new"
     layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     reorder_and_upcast_attn: bool = False  # changes only the rounding, not the result
@@ -57,7 +60,9 @@ class GPT2(AbstractCausalLM):
         scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
         remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
             (keep the projections' outputs) or `"full"` (see `rc.remat`).
-        key: for the random initialisation.
+        key: for the random initialisation, as `transformers`': weights and embeddings
+            N(0, `initializer_range`), the residual projections (attention's and the
+            MLP's `c_proj`) N(0, `initializer_range / sqrt(2 * n_layer)`), zero biases.
 
     Example:
         >>> config = GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4)
@@ -90,25 +95,37 @@ class GPT2(AbstractCausalLM):
         c = config
         kt, kp, kb = jax.random.split(key, 3)
         eps = c.layer_norm_epsilon
+        std = c.initializer_range
+        residual_std = std / math.sqrt(2 * c.n_layer)
 
         def block(k: PRNGKeyArray) -> DecoderBlock:
-            ka, km = jax.random.split(k)
+            ka, km, kr, ko, kf = jax.random.split(k, 5)
+            attn = Attention(c.n_embd, c.n_head, qkv_bias=True, out_bias=True, key=ka)
+            mlp = MLP(
+                c.n_embd,
+                c.n_inner or 4 * c.n_embd,
+                activation=activation(c.activation_function),
+                key=km,
+            )
+            attn, mlp = normal_init((attn, mlp), std, key=kr)
+            # GPT-2's scaled residual projections: each block adds two outputs to
+            # the residual stream, so 2 * n_layer of them add up by the last layer.
+            o_proj = normal_init(attn.o_proj, residual_std, key=ko)
+            fc_out = normal_init(mlp.fc_out, residual_std, key=kf)
             return DecoderBlock(
                 eqx.nn.LayerNorm(c.n_embd, eps=eps),
-                Attention(c.n_embd, c.n_head, qkv_bias=True, out_bias=True, key=ka),
+                eqx.tree_at(lambda a: a.o_proj, attn, o_proj),
                 eqx.nn.LayerNorm(c.n_embd, eps=eps),
-                MLP(
-                    c.n_embd,
-                    c.n_inner or 4 * c.n_embd,
-                    activation=activation(c.activation_function),
-                    key=km,
-                ),
+                eqx.tree_at(lambda m: m.fc_out, mlp, fc_out),
             )
 
         self.config = config
         self.remat = check_remat(remat)
-        self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt)
-        self.embed_positions = eqx.nn.Embedding(c.n_positions, c.n_embd, key=kp)
+        tokens = normal_init(eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt), std, key=kt)
+        self.embed_tokens = zero_unused_rows(tokens, c.vocab_size)
+        self.embed_positions = normal_init(
+            eqx.nn.Embedding(c.n_positions, c.n_embd, key=kp), std, key=kp
+        )
         self.blocks = make_blocks(block, c.n_layer, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.LayerNorm(c.n_embd, eps=eps)
         self.lm_head = None

@@ -10,6 +10,7 @@ from jaxtyping import PRNGKeyArray
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from .init import normal_init, zero_unused_rows
 from .layers import MLP, Attention, DecoderBlock, Norm, activation
 
 
@@ -35,6 +36,7 @@ class GPTJConfig(hf.HFConfig):
     n_inner: int | None = None
     activation_function: str = "gelu_new"
     layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -55,7 +57,8 @@ class GPTJ(AbstractCausalLM):
         scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
         remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
             (keep the projections' outputs) or `"full"` (see `rc.remat`).
-        key: for the random initialisation.
+        key: for the random initialisation, as `transformers`': weights and embeddings
+            N(0, `initializer_range`), zero biases.
 
     Example:
         >>> config = GPTJConfig(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4,
@@ -88,10 +91,11 @@ class GPTJ(AbstractCausalLM):
         kt, kh, kb = jax.random.split(key, 3)
         eps = c.layer_norm_epsilon
         head_dim = c.n_embd // c.n_head
+        std = c.initializer_range
 
         def block(k: PRNGKeyArray) -> DecoderBlock:
-            ka, km = jax.random.split(k)
-            return DecoderBlock(
+            ka, km, kr = jax.random.split(k, 3)
+            b = DecoderBlock(
                 eqx.nn.LayerNorm(c.n_embd, eps=eps),
                 Attention(
                     c.n_embd,
@@ -108,14 +112,17 @@ class GPTJ(AbstractCausalLM):
                     key=km,
                 ),
             )
+            return normal_init(b, std, key=kr)
 
         self.config = config
         self.remat = check_remat(remat)
-        self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt)
+        tokens = eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt)
+        self.embed_tokens = zero_unused_rows(normal_init(tokens, std, key=kt), c.vocab_size)
         self.embed_positions = None
         self.blocks = make_blocks(block, c.n_layer, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.LayerNorm(c.n_embd, eps=eps)
-        self.lm_head = eqx.nn.Linear(c.n_embd, c.padded_vocab_size, key=kh)
+        head = eqx.nn.Linear(c.n_embd, c.padded_vocab_size, key=kh)
+        self.lm_head = zero_unused_rows(normal_init(head, std, key=kh), c.vocab_size)
 
     @classmethod
     def hf_tensors(cls, config: GPTJConfig) -> list[hf.TensorMap]:

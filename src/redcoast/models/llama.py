@@ -10,6 +10,7 @@ from jaxtyping import PRNGKeyArray
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from .init import normal_init, zero_unused_rows
 from .layers import Attention, DecoderBlock, Norm, SwiGLU, activation
 
 
@@ -40,6 +41,7 @@ class LlamaConfig(hf.HFConfig):
     hidden_act: str = "silu"
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
     rope_theta: float = 10000.0
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -79,7 +81,8 @@ class Llama(AbstractCausalLM):
         scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
         remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
             (keep the projections' outputs) or `"full"` (see `rc.remat`).
-        key: for the random initialisation.
+        key: for the random initialisation, as `transformers`': weights and embeddings
+            N(0, `initializer_range`), zero biases, the padding token's embedding zero.
 
     Example:
         >>> config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
@@ -113,10 +116,11 @@ class Llama(AbstractCausalLM):
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         head_dim = c.head_dim or c.hidden_size // c.num_attention_heads
+        std = c.initializer_range
 
         def block(k: PRNGKeyArray) -> DecoderBlock:
-            ka, km = jax.random.split(k)
-            return DecoderBlock(
+            ka, km, kr = jax.random.split(k, 3)
+            b = DecoderBlock(
                 eqx.nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps, use_bias=False),
                 Attention(
                     c.hidden_size,
@@ -138,17 +142,22 @@ class Llama(AbstractCausalLM):
                     key=km,
                 ),
             )
+            return normal_init(b, std, key=kr)
 
         self.config = config
         self.remat = check_remat(remat)
-        self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
+        tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
+        self.embed_tokens = zero_unused_rows(
+            normal_init(tokens, std, key=kt), c.vocab_size, c.get_extra("pad_token_id")
+        )
         self.embed_positions = None
         self.blocks = make_blocks(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps, use_bias=False)
+        head = eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
         self.lm_head = (
             None
             if c.tie_word_embeddings
-            else eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
+            else zero_unused_rows(normal_init(head, std, key=kh), c.vocab_size)
         )
 
     @classmethod

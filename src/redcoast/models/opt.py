@@ -10,6 +10,7 @@ from jaxtyping import PRNGKeyArray
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from .init import normal_init, zero_unused_rows
 from .layers import MLP, Attention, DecoderBlock, Norm, activation
 
 
@@ -40,6 +41,7 @@ class OPTConfig(hf.HFConfig):
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int | None = None
     enable_bias: bool = True
+    init_std: float = 0.02
     layer_norm_elementwise_affine: bool = True
     tie_word_embeddings: bool = True
     _remove_final_layer_norm: bool = False
@@ -62,7 +64,9 @@ class OPT(AbstractCausalLM):
         scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
         remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
             (keep the projections' outputs) or `"full"` (see `rc.remat`).
-        key: for the random initialisation.
+        key: for the random initialisation, as `transformers`': weights and embeddings
+            N(0, `init_std`), zero biases, the padding token's embedding zero
+            (`pad_token_id`, 1 unless config.json says otherwise).
 
     Example:
         >>> config = OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
@@ -95,11 +99,12 @@ class OPT(AbstractCausalLM):
     ):
         c = config
         kt, kp, kh, kb = jax.random.split(key, 4)
+        std = c.init_std
 
         def block(k: PRNGKeyArray) -> DecoderBlock:
-            ka, km = jax.random.split(k)
+            ka, km, kr = jax.random.split(k, 3)
             bias = c.enable_bias
-            return DecoderBlock(
+            b = DecoderBlock(
                 eqx.nn.LayerNorm(c.hidden_size),
                 Attention(
                     c.hidden_size, c.num_attention_heads, qkv_bias=bias, out_bias=bias, key=ka
@@ -113,19 +118,25 @@ class OPT(AbstractCausalLM):
                     key=km,
                 ),
             )
+            return normal_init(b, std, key=kr)
 
         self.config = config
         self.remat = check_remat(remat)
-        self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
-        self.embed_positions = eqx.nn.Embedding(
+        tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
+        self.embed_tokens = zero_unused_rows(
+            normal_init(tokens, std, key=kt), c.vocab_size, c.get_extra("pad_token_id", 1)
+        )
+        positions = eqx.nn.Embedding(
             c.max_position_embeddings + self.position_offset, c.hidden_size, key=kp
         )
+        self.embed_positions = normal_init(positions, std, key=kp)
         self.blocks = make_blocks(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.LayerNorm(c.hidden_size)
+        head = eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
         self.lm_head = (
             None
             if c.tie_word_embeddings
-            else eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
+            else zero_unused_rows(normal_init(head, std, key=kh), c.vocab_size)
         )
 
     @classmethod
