@@ -131,7 +131,8 @@ def test_sharded_init_holds_only_shards_and_equals_the_model_built_whole() -> No
     for got, want in zip(arrays(model), arrays(whole), strict=True):
         shard_shape = got.sharding.shard_shape(got.shape)
         assert all(s.data.shape == shard_shape for s in got.addressable_shards)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        # The same random bits; jit may fuse `std * normal` with one rounding less.
+        np.testing.assert_array_max_ulp(np.asarray(got), np.asarray(want), maxulp=2)
     assert local_bytes(model) <= 1.10 * sum(x.nbytes for x in arrays(whole)) / 8
     # The statics (config, activation functions) are the model's own.
     assert model.config == whole.config
