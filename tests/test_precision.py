@@ -136,11 +136,14 @@ def test_policies_under_vmap_save_what_their_names_say():
     scores = (2, 4, 16, 16)
     none, dots, full = (_saved_residuals(p) for p in ("none", "dots", "full"))
     assert scores in none and (2, 16, 128) in none
-    # dots: the five projections' outputs (q, k, v, o; MLP in), nothing with a batch
-    # dimension in its matmul (the attention scores), nothing elementwise.
-    projections = [s for s in dots if s in ((32, 2, 16), (128, 2, 16))]
-    assert len(projections) == 5
-    assert scores not in dots and (2, 16, 128) not in dots
+    # dots: beyond what full keeps, the five projections' outputs (q, k, v, o of width
+    # 32; the MLP's input projection of width 128), nothing with a batch dimension in
+    # its matmul (the attention scores), nothing elementwise (the GELU's output).
+    extra = list(dots)
+    for shape in full:
+        extra.remove(shape)
+    assert sorted(extra) == sorted([(2, 16, 32)] * 4 + [(2, 16, 128)])
+    assert scores not in dots
     # full: nothing of the block's insides, only its input and what follows it.
     assert not [s for s in full if s in (scores, (2, 16, 128), (32, 2, 16), (128, 2, 16))]
     assert len(full) < len(dots) < len(none)
@@ -212,11 +215,11 @@ def _float_dtypes(tree):
 )
 def test_bf16_tracks_fp32_with_float32_master_weights(make):
     # bfloat16 keeps 8 bits of mantissa, a relative rounding of 2**-9 ~ 2e-3 per
-    # operation. Measured over 5 Adam steps at 3e-3: losses within 1.8e-3 (GPT-2) and
-    # 1.7e-4 (LLaMA) relative of float32's. 1e-2 allows a few roundings more, and stays
-    # well below the loss's own change over those steps (10-18%), which it must track.
-    _, _, fp32 = _train(make(jax.random.key(0)), "fp32", 5, lr=3e-3)
-    model, opt_state, bf16 = _train(make(jax.random.key(0)), "bf16", 5, lr=3e-3)
+    # operation. Measured over 5 Adam steps at 1e-2 (GPT-2): losses within 5e-4
+    # relative of float32's. 1e-2 allows a few roundings more, and stays below the
+    # loss's own change over those steps (8% from ln V), which it must track.
+    _, _, fp32 = _train(make(jax.random.key(0)), "fp32", 5, lr=1e-2)
+    model, opt_state, bf16 = _train(make(jax.random.key(0)), "bf16", 5, lr=1e-2)
     np.testing.assert_allclose(bf16, fp32, rtol=1e-2)
     assert abs(fp32[-1] - fp32[0]) / fp32[0] > 5e-2
     assert _float_dtypes(model) == {jnp.dtype(jnp.float32)}
@@ -247,7 +250,7 @@ def test_bf16_step_hands_float32_gradients_close_to_fp32_ones_to_the_master_weig
 def test_pure_bf16_stores_and_trains_in_bfloat16():
     model = rc.cast(GPT2(TINY, key=jax.random.key(0)), jnp.bfloat16)
     assert _float_dtypes(model) == {jnp.dtype(jnp.bfloat16)}
-    model, opt_state, losses = _train(model, "pure-bf16", 30, lr=3e-3)
+    model, opt_state, losses = _train(model, "pure-bf16", 30, lr=1e-2)
     assert _float_dtypes(model) == {jnp.dtype(jnp.bfloat16)}
     assert _float_dtypes(opt_state) == {jnp.dtype(jnp.bfloat16)}
     assert losses[-3:].mean() < 0.5 * losses[:3].mean()

@@ -22,6 +22,10 @@ RematPolicy = Literal["none", "dots", "full"]
 """What a rematerialised function keeps for the backward pass (see the module docstring)."""
 REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "full")
 
+PROJECTION = "projection"
+"""The `checkpoint_name` of a projection's output (`layers.dense`), which `"dots"` keeps:
+its matmul sits inside a custom gradient, where the dot policy cannot see it."""
+
 _F = TypeVar("_F", bound=Callable[..., object])
 
 
@@ -62,7 +66,8 @@ def remat(fn: _F, policy: str) -> _F:
     Args:
         fn: the function to rematerialise.
         policy: `"none"` returns `fn` itself; `"dots"` saves matmul outputs without
-            batch dimensions (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`);
+            batch dimensions (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)
+            and outputs named `PROJECTION` (the zoo's projections, `layers.dense`);
             `"full"` saves nothing inside `fn`.
 
     Returns:
@@ -80,7 +85,10 @@ def remat(fn: _F, policy: str) -> _F:
     if policy == "none":
         return fn
     saveable = (
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(PROJECTION),
+        )
         if policy == "dots"
         else jax.checkpoint_policies.nothing_saveable
     )

@@ -17,10 +17,12 @@ from collections.abc import Callable, Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 
 from .._jax_private import batched_by_current_vmap
+from ..rematerialisation import PROJECTION
 from .checks import check_range
 
 
@@ -136,7 +138,8 @@ def dense(layer: eqx.nn.Linear, x: Float[Array, "*tokens in"]) -> Float[Array, "
     # `custom_vmap` only where the current vmap batches `x`: its rule then replaces
     # it, whereas reaching `jax.grad` unbatched it could not be differentiated.
     matmul = _batched_matmul if batched_by_current_vmap(x) else _matmul
-    y = matmul(x, layer.weight)
+    # Named, so that remat's "dots" policy keeps it (the matmul is out of its sight).
+    y = checkpoint_name(matmul(x, layer.weight), PROJECTION)
     return y if layer.bias is None else y + layer.bias
 
 
