@@ -418,3 +418,25 @@ def test_from_hf_onto_a_mesh_and_beam_search_under_predict(tmp_path: Path) -> No
     )
     want = pred_fn(model, {"src": BATCH["src"][:6], "mask": BATCH["mask"][:6]}, key)
     assert [np.asarray(g).tolist() for g in got] == np.asarray(want).tolist()
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["loop", "scan"])
+def test_remat_and_fsdp_give_the_plain_steps_numbers(scan_layers: bool) -> None:
+    config = CONFIGS["t5"]
+    key = jax.random.key(0)
+    make = lambda remat: rc.models.T5(config, scan_layers=scan_layers, remat=remat, key=key)  # noqa: E731
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+    loss, grads = grad(make("none"), BATCH, key)
+    for policy in ("dots", "full"):
+        loss_r, grads_r = grad(make(policy), BATCH, key)
+        np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # FSDP on a 4 x 2 mesh: every layer's weights gathered where it runs.
+    mesh = rc.make_mesh(2)
+    model = rc.place(make("none"), mesh, example_call=lambda m: loss_fn(m, BATCH, key), fsdp=True)
+    optimizer = optax.sgd(0.5)
+    step = rc.train_step(loss_fn, optimizer, mesh=mesh)
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    _, _, metrics = step(model, state, jax.device_put(BATCH, NamedSharding(mesh, P("data"))), key)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)

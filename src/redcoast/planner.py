@@ -214,8 +214,6 @@ def _heads(config: HFConfig) -> int | None:
 def _factory(cls: type[Any], config: HFConfig, remat: str) -> Callable[[PRNGKeyArray], Any]:
     options: dict[str, Any] = {"scan_layers": True}
     if remat != "none":
-        if issubclass(cls, AbstractSeq2SeqLM):
-            raise ValueError(f"{cls.__name__} has no remat policy yet; plan it with remat='none'.")
         options["remat"] = remat
     return lambda key: cls(config, key=key, **options)
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from .layers import MLP, activation
 from .seq2seq import (
@@ -71,6 +72,8 @@ class BART(AbstractSeq2SeqLM):
     Args:
         config: the hyperparameters.
         scan_layers: stack each stack's layers and run them with `lax.scan`.
+        remat: rematerialise each layer in the backward pass: `"none"`, `"dots"`
+            or `"full"` (see `rc.remat`).
         key: for the random initialisation.
 
     Example:
@@ -80,6 +83,7 @@ class BART(AbstractSeq2SeqLM):
     """
 
     config: BARTConfig = eqx.field(static=True)
+    remat: RematPolicy = eqx.field(static=True)
     embed_tokens: eqx.nn.Embedding
     encoder_positions: eqx.nn.Embedding
     encoder_embed_norm: eqx.nn.LayerNorm
@@ -98,7 +102,14 @@ class BART(AbstractSeq2SeqLM):
         "lm_head.weight",
     )
 
-    def __init__(self, config: BARTConfig, *, scan_layers: bool = False, key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: BARTConfig,
+        *,
+        scan_layers: bool = False,
+        remat: str = "none",
+        key: PRNGKeyArray,
+    ):
         c = config
         keys = jax.random.split(key, 5)
         act = activation(c.activation_function)
@@ -135,6 +146,7 @@ class BART(AbstractSeq2SeqLM):
 
         rows = c.max_position_embeddings + POSITION_OFFSET
         self.config = config
+        self.remat = check_remat(remat)
         self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.d_model, key=keys[0])
         self.encoder_positions = eqx.nn.Embedding(rows, c.d_model, key=keys[1])
         self.encoder_embed_norm = norm()

@@ -22,7 +22,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
 
 from .. import fsdp
-from ..rematerialisation import RematPolicy, remat
+from ..rematerialisation import RematPolicy
 from . import hf
 from .checks import check_range
 from .layers import DecoderBlock, KVCache, Norm
@@ -61,14 +61,6 @@ def make_blocks(
     if scan_layers:
         return eqx.filter_vmap(make)(keys)
     return tuple(make(k) for k in keys)
-
-
-def _under_policy(fn: Callable[..., Any], policy: str, gathering: bool) -> Callable[..., Any]:
-    """`fn` under the remat policy. Under FSDP even `"none"` recomputes the gathered
-    weights in the backward pass instead of keeping every layer's whole copy."""
-    if gathering and policy == "none":
-        return eqx.filter_checkpoint(fn, policy=fsdp.remat_policy())
-    return remat(fn, policy)
 
 
 class AbstractCausalLM(eqx.Module):
@@ -283,7 +275,7 @@ class AbstractCausalLM(eqx.Module):
             ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
                 return eqx.combine(fsdp.gather(p, specs), static)(h, positions, c, index)
 
-            run = _under_policy(layer, policy, specs is not None)
+            run = fsdp.under_policy(layer, policy, specs is not None)
 
             def body(
                 h: Float[Array, "seq hidden"], xs: tuple[PyTree, KVCache | None]
@@ -317,7 +309,7 @@ class AbstractCausalLM(eqx.Module):
         def run(p: PyTree, h: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
             return eqx.combine(fsdp.gather(p, specs), static)(h, positions)[0]
 
-        return _under_policy(run, policy, specs is not None)(params, x)
+        return fsdp.under_policy(run, policy, specs is not None)(params, x)
 
     @classmethod
     def from_hf(

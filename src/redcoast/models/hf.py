@@ -399,10 +399,8 @@ def load(
     _check_model_type(values, cls, folder)
     config = dataclasses.replace(cls.config_class.from_dict(values), vocab_multiple=vocab_multiple)
     config.padded_vocab_size  # noqa: B018 - checks vocab_multiple before anything is read
-    # Only the decoders take remat= so far; the encoder-decoders are built without it.
-    options = {} if remat == "none" else {"remat": remat}
     skeleton = eqx.filter_eval_shape(
-        cls, config, scan_layers=scan_layers, key=jax.random.key(0), **options
+        cls, config, scan_layers=scan_layers, remat=remat, key=jax.random.key(0)
     )
     flat, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
     maps = cls.hf_tensors(config)

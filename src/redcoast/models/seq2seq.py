@@ -26,6 +26,8 @@ from jax.sharding import Mesh
 from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
+from .. import fsdp
+from ..rematerialisation import RematPolicy
 from . import hf
 from .checks import check_range
 from .layers import MLP, KVCache, Norm, SwiGLU
@@ -235,6 +237,7 @@ def run_stack(
     fn: Callable[
         [Any, Float[Array, "seq hidden"], PyTree], tuple[Float[Array, "seq hidden"], PyTree]
     ],
+    policy: str = "none",
 ) -> tuple[Float[Array, "seq hidden"], PyTree]:
     """Thread `x` through the layers: `x, out = fn(layer, x, per_layer[i])` for each.
 
@@ -244,21 +247,35 @@ def run_stack(
         per_layer: one input per layer (a tuple, or stacked arrays for stacked layers),
             or `None`.
         fn: runs one layer.
+        policy: the remat policy each layer runs under (`rc.remat`). Under FSDP each
+            layer's weights are gathered where it runs (`redcoast.fsdp`).
 
     Returns:
         The last layer's hidden states and the layers' outputs (a tuple, or stacked).
     """
     if not isinstance(layers, tuple):
         params, static = eqx.partition(layers, eqx.is_array)
+        specs = fsdp.layer_specs(params, stacked=True)
+
+        def one(p: PyTree, h: Array, extra: PyTree) -> tuple[Array, PyTree]:
+            return fn(eqx.combine(fsdp.gather(p, specs), static), h, extra)
+
+        run = fsdp.under_policy(one, policy, specs is not None)
 
         def body(h: Array, layer: tuple[PyTree, PyTree]) -> tuple[Array, PyTree]:
-            p, extra = layer
-            return fn(eqx.combine(p, static), h, extra)
+            return run(layer[0], h, layer[1])
 
         return jax.lax.scan(body, x, (params, per_layer))
     outs = []
     for i, layer in enumerate(layers):
-        x, out = fn(layer, x, None if per_layer is None else per_layer[i])
+        params, static = eqx.partition(layer, eqx.is_array)
+        specs = fsdp.layer_specs(params, stacked=False)
+
+        def each(p: PyTree, h: Array, extra: PyTree, static: Any = static, specs: Any = specs):
+            return fn(eqx.combine(fsdp.gather(p, specs), static), h, extra)
+
+        run = fsdp.under_policy(each, policy, specs is not None)
+        x, out = run(params, x, None if per_layer is None else per_layer[i])
         outs.append(out)
     return x, tuple(outs)
 
@@ -294,6 +311,7 @@ class AbstractSeq2SeqLM(eqx.Module):
     decoder_blocks: eqx.AbstractVar[Stack]
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
     config: eqx.AbstractVar[Any]
+    remat: eqx.AbstractVar[RematPolicy]
 
     config_class: ClassVar[type[hf.HFConfig]]
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ()
@@ -401,7 +419,7 @@ class AbstractSeq2SeqLM(eqx.Module):
         def layer(block: EncoderLayer, h: Array, _: None) -> tuple[Array, None]:
             return block(h, visible, bias), None
 
-        x, _ = run_stack(self.encoder_blocks, x, None, layer)
+        x, _ = run_stack(self.encoder_blocks, x, None, layer, self.remat)
         return self._final(x, False)
 
     def cross_cache(self, memory: Float[Array, "src hidden"]) -> Stack:
@@ -536,7 +554,9 @@ class AbstractSeq2SeqLM(eqx.Module):
             )
         else:
             per_layer = (cross, cache)
-        x, new = run_stack(self.decoder_blocks, x, per_layer, layer)
+        # Decoding with a cache computes no gradients: nothing to rematerialise.
+        policy = self.remat if cache is None else "none"
+        x, new = run_stack(self.decoder_blocks, x, per_layer, layer, policy)
         logits = self._head(self._final(x, True))
         return _mask_padded_vocab(logits, self.vocab_size), new
 
@@ -564,8 +584,7 @@ class AbstractSeq2SeqLM(eqx.Module):
             dtype: cast floating arrays to this dtype; default: as stored.
             scan_layers: stack each stack's layers and run them with `lax.scan`.
             vocab_multiple: pad the vocabulary to a multiple of this for an even split.
-            remat: accepted for `rc.models.from_hf`; only `"none"` so far (the
-                encoder-decoders have no remat policy yet).
+            remat: rematerialise each layer in the backward pass (see `rc.remat`).
 
         Returns:
             The model.
@@ -573,8 +592,6 @@ class AbstractSeq2SeqLM(eqx.Module):
         Example:
             >>> model = rc.models.T5.from_hf("t5-small-folder", mesh=rc.make_mesh(2))
         """
-        if remat != "none":
-            raise ValueError(f"{cls.__name__} has no remat policy yet; load it with remat='none'.")
         return hf.load(
             cls,
             path,
@@ -583,6 +600,7 @@ class AbstractSeq2SeqLM(eqx.Module):
             dtype=dtype,
             scan_layers=scan_layers,
             vocab_multiple=vocab_multiple,
+            remat=remat,
         )
 
     def to_hf(self, path: str | Path) -> None:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from .layers import MLP, SwiGLU, activation
 from .seq2seq import (
@@ -115,6 +116,8 @@ class T5(AbstractSeq2SeqLM):
     Args:
         config: the hyperparameters.
         scan_layers: stack each stack's layers and run them with `lax.scan`.
+        remat: rematerialise each layer in the backward pass: `"none"`, `"dots"`
+            or `"full"` (see `rc.remat`).
         key: for the random initialisation.
 
     Example:
@@ -126,6 +129,7 @@ class T5(AbstractSeq2SeqLM):
     """
 
     config: T5Config = eqx.field(static=True)
+    remat: RematPolicy = eqx.field(static=True)
     embed_tokens: eqx.nn.Embedding
     encoder_position_bias: eqx.nn.Embedding
     encoder_blocks: Stack
@@ -144,7 +148,14 @@ class T5(AbstractSeq2SeqLM):
         "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
     )
 
-    def __init__(self, config: T5Config, *, scan_layers: bool = False, key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: T5Config,
+        *,
+        scan_layers: bool = False,
+        remat: str = "none",
+        key: PRNGKeyArray,
+    ):
         c = config
         keys = jax.random.split(key, 6)
 
@@ -175,6 +186,7 @@ class T5(AbstractSeq2SeqLM):
         n_decoder = c.num_layers if c.num_decoder_layers is None else c.num_decoder_layers
         buckets = c.relative_attention_num_buckets
         self.config = config
+        self.remat = check_remat(remat)
         self.embed_tokens = eqx.nn.Embedding(c.padded_vocab_size, c.d_model, key=keys[0])
         self.encoder_position_bias = eqx.nn.Embedding(buckets, c.num_heads, key=keys[1])
         self.encoder_blocks = make_stack(
