@@ -176,6 +176,7 @@ def test_predict_keeps_input_order_when_the_size_does_not_divide_the_batch():
     assert ids == list(range(37))
 
 
+@pytest.mark.slow
 def test_dropout_losses_agree_on_one_device_8x1_and_2x4():
     data = [np.random.default_rng(i).integers(0, 64, 16).astype(np.int32) for i in range(48)]
 
