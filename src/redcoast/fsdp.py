@@ -4,7 +4,7 @@ Given weights split over `"data"` and a batch split over `"data"`, XLA's SPMD
 partitioner may meet them by gathering the *activations* over the data axis
 (less traffic when the batch is small), which makes every device hold the whole
 batch's activations -- the opposite of what FSDP is for. So the train step says
-which weights are split over the data axis (`stored_specs`, set around the jitted
+which weights are split over the data axis (`stored_shardings`, set around the jitted
 call; `gather_at_use`, inside the traced loss), and a model gathers each one
 where it uses it (`gather`), one layer at a time under `lax.scan`
 (`layer_specs`). Gathered weights are named `GATHERED` so that remat policies
@@ -25,6 +25,7 @@ from typing import Any
 import equinox as eqx
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
@@ -34,7 +35,7 @@ from .rematerialisation import remat
 GATHERED = "fsdp_gathered"
 """The `checkpoint_name` of weights gathered for use."""
 
-_STORED: contextvars.ContextVar[tuple[P | None, ...] | None] = contextvars.ContextVar(
+_STORED: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar(
     "redcoast_fsdp_stored", default=None
 )
 _USE: contextvars.ContextVar[dict[int, Layout] | None] = contextvars.ContextVar(
@@ -46,12 +47,16 @@ _USE: contextvars.ContextVar[dict[int, Layout] | None] = contextvars.ContextVar(
 class Layout:
     """How a weight is stored (split over data) and how it is used (whole over data)."""
 
-    stored: P
-    use: P
+    stored: NamedSharding
+    use: NamedSharding
 
     def sliced(self) -> Layout:
         """The layout of one slice of a stacked weight (its leading axis dropped)."""
-        return Layout(P(*self.stored[1:]), P(*self.use[1:]))
+        mesh = self.stored.mesh
+        return Layout(
+            NamedSharding(mesh, P(*self.stored.spec[1:])),
+            NamedSharding(mesh, P(*self.use.spec[1:])),
+        )
 
 
 def _gather_one(x: jax.Array, layout: Layout) -> jax.Array:
@@ -75,20 +80,22 @@ def use_spec(spec: P) -> P:
     return P(*entries)
 
 
-def data_split(spec: Any) -> bool:
-    """Whether a `PartitionSpec` names the data axis."""
-    return isinstance(spec, P) and any(DATA in _names(e) for e in spec)
+def data_split(sharding: Any) -> bool:
+    """Whether a `NamedSharding` splits over the data axis."""
+    return isinstance(sharding, NamedSharding) and any(DATA in _names(e) for e in sharding.spec)
 
 
 @contextlib.contextmanager
-def stored_specs(specs: Sequence[P | None] | None) -> Iterator[None]:
-    """While tracing a step: the stored spec of each parameter, in `tree_leaves` order.
+def stored_shardings(shardings: Sequence[Any] | None) -> Iterator[None]:
+    """While tracing a step: how each parameter is stored, in `tree_leaves` order.
 
     Args:
-        specs: one spec (or `None`) per leaf of `eqx.filter(model, eqx.is_inexact_array)`;
-            `None` (or no spec naming the data axis) turns gathering off.
+        shardings: one `NamedSharding` (or `None`) per leaf of
+            `eqx.filter(model, eqx.is_inexact_array)`; `None` (or none splitting over
+            the data axis) turns gathering off.
     """
-    token = _STORED.set(tuple(specs) if specs and any(map(data_split, specs)) else None)
+    stored = tuple(shardings) if shardings and any(map(data_split, shardings)) else None
+    token = _STORED.set(stored)
     try:
         yield
     finally:
@@ -104,9 +111,9 @@ def gather_at_use(params: PyTree) -> Iterator[None]:
         yield
         return
     use = {
-        id(x): Layout(s, use_spec(s))
+        id(x): Layout(s, NamedSharding(s.mesh, use_spec(s.spec)))
         for x, s in zip(leaves, stored, strict=True)
-        if s is not None and data_split(s)
+        if data_split(s)
     }
     token = _USE.set(use)
     try:

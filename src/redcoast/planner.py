@@ -318,8 +318,7 @@ def _compile(
 
     key_shape = jax.eval_shape(lambda: key)
     start = time.perf_counter()
-    param_specs = [x.sharding.spec for x in jax.tree_util.tree_leaves(params)]
-    with fsdp.stored_specs(param_specs):
+    with fsdp.stored_shardings([x.sharding for x in jax.tree_util.tree_leaves(params)]):
         lowered = jax.jit(run, donate_argnums=(0, 1)).lower(params, state, batch, key_shape)
     compiled = lowered.compile()
     seconds = time.perf_counter() - start

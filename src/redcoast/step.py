@@ -188,14 +188,6 @@ def _train_core(
     n_micro = accumulate_grad_batches
 
     def step(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
-        if mesh is None:
-            return run(model, opt_state, batch, key)
-        # Inside the mesh, models may say how activations are laid out (`with_sharding_
-        # constraint` with bare specs), as the zoo does between blocks.
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return run(model, opt_state, batch, key)
-
-    def run(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
         params, static = eqx.partition(model, eqx.is_inexact_array)
         check_param_dtypes(params, precision, where="train_step")
         if axis_name is not None:
@@ -288,11 +280,11 @@ def _shard_map_step(core: TrainStepFn, mesh: Mesh) -> TrainStepFn:
     return step
 
 
-def stored_specs(model: Any) -> list[P | None]:
-    """The `PartitionSpec` each parameter of `model` is stored with (`None`: unknown)."""
+def stored_shardings(model: Any) -> list[NamedSharding | None]:
+    """The `NamedSharding` each parameter of `model` is stored with (`None`: unknown)."""
     leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
     return [
-        x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else None
+        x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else None
         for x in leaves
     ]
 
@@ -310,7 +302,7 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
 
     @functools.wraps(fn)
     def call(model: Any, opt_state: Any, *rest: Any) -> _T:
-        with fsdp.stored_specs(stored_specs(model)):
+        with fsdp.stored_shardings(stored_shardings(model)):
             return jitted(rest, model, opt_state)
 
     return call
