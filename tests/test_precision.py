@@ -62,7 +62,8 @@ def _assert_trees_close(a, b, rtol, atol=0.0):
 # ----------------------------------------------------------------------------- remat
 
 
-@pytest.mark.parametrize("scan_layers", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", [False, True])
 def test_remat_gives_the_loss_and_gradients_of_no_remat(scan_layers):
     ids = jnp.asarray(_counting(4))
     results = {

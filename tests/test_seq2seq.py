@@ -420,9 +420,8 @@ def test_from_hf_onto_a_mesh_and_beam_search_under_predict(tmp_path: Path) -> No
     assert [np.asarray(g).tolist() for g in got] == np.asarray(want).tolist()
 
 
-@pytest.mark.parametrize(
-    "scan_layers", [pytest.param(False, marks=pytest.mark.slow), True], ids=["loop", "scan"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["loop", "scan"])
 def test_remat_and_fsdp_give_the_plain_steps_numbers(scan_layers: bool) -> None:
     config = CONFIGS["t5"]
     key = jax.random.key(0)
