@@ -37,12 +37,12 @@ def from_hf(
 
     Args:
         path: the folder (config.json + safetensors).
-        mesh: place each array on this mesh as it is read (see `AbstractCausalLM.from_hf`).
+        mesh: place each array on this mesh as it is read (see `HFModel.from_hf`).
         specs: the `PartitionSpec` tree; derived with the sharding rules when omitted.
         dtype: cast floating arrays to this dtype (e.g. `jnp.bfloat16`); default: as stored.
         scan_layers: stack the layers and run them with `lax.scan`.
         vocab_multiple: pad the vocabulary to a multiple of this (`128 * n_model_shards`
-            splits it evenly, as Megatron-LM does); see `AbstractCausalLM.from_hf`.
+            splits it evenly, as Megatron-LM does); see `HFModel.from_hf`.
         remat: the blocks' rematerialisation policy (`"none"`, `"dots"`, `"full"`).
 
     Returns:

@@ -11,13 +11,11 @@ generation, and the Hugging Face import/export; an architecture (`GPT2`, `Llama`
 
 import abc
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
 
@@ -31,8 +29,6 @@ Blocks = tuple[DecoderBlock, ...] | DecoderBlock
 """The layers: a tuple, or one `DecoderBlock` whose arrays have a leading layer axis."""
 Cache = tuple[KVCache, ...] | KVCache
 """One `KVCache` per layer, or one stacked `KVCache` for scanned layers."""
-# A TypeVar rather than typing.Self, which beartype rejects on undecorated classes.
-_Model = TypeVar("_Model", bound="AbstractCausalLM")
 
 
 def make_blocks(
@@ -63,7 +59,7 @@ def make_blocks(
     return tuple(make(k) for k in keys)
 
 
-class AbstractCausalLM(eqx.Module):
+class AbstractCausalLM(hf.HFModel):
     """A decoder-only language model: embed, `DecoderBlock`s, final norm, vocabulary head.
 
     Called on one unbatched sequence of token ids, it returns the logits of the next
@@ -310,74 +306,3 @@ class AbstractCausalLM(eqx.Module):
             return eqx.combine(fsdp.gather(p, specs), static)(h, positions)[0]
 
         return fsdp.under_policy(run, policy, specs is not None)(params, x)
-
-    @classmethod
-    def from_hf(
-        cls: type[_Model],
-        path: str | Path,
-        *,
-        mesh: Mesh | None = None,
-        specs: PyTree | None = None,
-        dtype: DTypeLike | None = None,
-        scan_layers: bool = False,
-        vocab_multiple: int = 1,
-        remat: str = "none",
-    ) -> _Model:
-        """Load a `transformers` `save_pretrained` folder (config.json + safetensors).
-
-        Arrays are read, converted (GPT-2's `(in, out)` Conv1D weights transposed, its
-        fused Q/K/V split) and checked one at a time. With a `mesh`, each is placed
-        straight onto it with its `PartitionSpec`, each device receiving only its
-        slice, so the whole model never sits on one device.
-
-        Args:
-            path: the folder; `model.safetensors`, or shards listed in
-                `model.safetensors.index.json`.
-            mesh: from `rc.make_mesh`; without it arrays go to the default device.
-            specs: a `PartitionSpec` tree (or `ShardingPlan`) for this model, built
-                with the same `scan_layers`; when a mesh is given without specs, the
-                sharding rules derive them from an abstract trace.
-            dtype: cast floating arrays to this dtype; default: as stored.
-            scan_layers: stack the layers' arrays and run them with `lax.scan`.
-            vocab_multiple: pad the token table and head with rows up to a multiple of
-                this (Megatron-LM's `128 * n_model_shards`), so the vocabulary splits
-                evenly over the model axis; the padded logits are masked and `to_hf`
-                writes the original rows.
-            remat: the blocks' rematerialisation policy (`"none"`, `"dots"`, `"full"`).
-
-        Returns:
-            The model.
-
-        Raises:
-            ValueError: config.json describes another architecture or an unsupported
-                variant, or a tensor's shape does not match config.json.
-            MissingTensorError: a tensor the model needs is not in the checkpoint.
-
-        Example:
-            >>> model = rc.models.Llama.from_hf("tiny-llama", mesh=rc.make_mesh(2))
-        """
-        return hf.load(
-            cls,
-            path,
-            mesh=mesh,
-            specs=specs,
-            dtype=dtype,
-            scan_layers=scan_layers,
-            vocab_multiple=vocab_multiple,
-            remat=remat,
-        )
-
-    def to_hf(self, path: str | Path) -> None:
-        """Write `config.json` and `model.safetensors` that `transformers` loads.
-
-        With several processes every process must call it (split arrays are gathered);
-        process 0 writes.
-
-        Args:
-            path: the folder to write (created if missing).
-
-        Example:
-            >>> model.to_hf("out")
-            >>> transformers.AutoModelForCausalLM.from_pretrained("out")
-        """
-        hf.save(self, path)

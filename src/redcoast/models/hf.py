@@ -382,6 +382,90 @@ def _shardings(
     return {path: NamedSharding(mesh, given[path]) for path in shapes}
 
 
+_HFModel = TypeVar("_HFModel", bound="HFModel")
+
+
+class HFModel(eqx.Module):
+    """A zoo model that loads from and saves to `transformers` folders.
+
+    The decoders (`AbstractCausalLM`) and encoder-decoders (`AbstractSeq2SeqLM`)
+    derive from it; each architecture says how its arrays map to the checkpoint's
+    tensors (`hf_tensors`) and gives its `config_class`.
+    """
+
+    @classmethod
+    def from_hf(
+        cls: type[_HFModel],
+        path: str | Path,
+        *,
+        mesh: Mesh | None = None,
+        specs: PyTree | None = None,
+        dtype: DTypeLike | None = None,
+        scan_layers: bool = False,
+        vocab_multiple: int = 1,
+        remat: str = "none",
+    ) -> _HFModel:
+        """Load a `transformers` `save_pretrained` folder (config.json + safetensors).
+
+        Arrays are read, converted (GPT-2's `(in, out)` Conv1D weights transposed, its
+        fused Q/K/V split, as the architecture's `hf_tensors` says) and checked one at
+        a time. With a `mesh`, each is placed
+        straight onto it with its `PartitionSpec`, each device receiving only its
+        slice, so the whole model never sits on one device.
+
+        Args:
+            path: the folder; `model.safetensors`, or shards listed in
+                `model.safetensors.index.json`.
+            mesh: from `rc.make_mesh`; without it arrays go to the default device.
+            specs: a `PartitionSpec` tree (or `ShardingPlan`) for this model, built
+                with the same `scan_layers`; when a mesh is given without specs, the
+                sharding rules derive them from an abstract trace.
+            dtype: cast floating arrays to this dtype; default: as stored.
+            scan_layers: stack the layers' arrays and run them with `lax.scan`.
+            vocab_multiple: pad the token table and head with rows up to a multiple of
+                this (Megatron-LM's `128 * n_model_shards`), so the vocabulary splits
+                evenly over the model axis; the padded logits are masked and `to_hf`
+                writes the original rows.
+            remat: the layers' rematerialisation policy (`"none"`, `"dots"`, `"full"`).
+
+        Returns:
+            The model.
+
+        Raises:
+            ValueError: config.json describes another architecture or an unsupported
+                variant, or a tensor's shape does not match config.json.
+            MissingTensorError: a tensor the model needs is not in the checkpoint.
+
+        Example:
+            >>> model = rc.models.Llama.from_hf("tiny-llama", mesh=rc.make_mesh(2))
+        """
+        return load(
+            cls,
+            path,
+            mesh=mesh,
+            specs=specs,
+            dtype=dtype,
+            scan_layers=scan_layers,
+            vocab_multiple=vocab_multiple,
+            remat=remat,
+        )
+
+    def to_hf(self, path: str | Path) -> None:
+        """Write `config.json` and `model.safetensors` that `transformers` loads.
+
+        With several processes every process must call it (split arrays are gathered);
+        process 0 writes.
+
+        Args:
+            path: the folder to write (created if missing).
+
+        Example:
+            >>> model.to_hf("out")
+            >>> transformers.AutoModel.from_pretrained("out")
+        """
+        save(self, path)
+
+
 def load(
     cls: Any,
     path: str | Path,

@@ -16,13 +16,11 @@ its input, and both feed-forward networks column- then row-parallel.
 import abc
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
@@ -32,7 +30,6 @@ from . import hf
 from .checks import check_range
 from .layers import MLP, KVCache, Norm, SwiGLU
 
-_Model = TypeVar("_Model", bound="AbstractSeq2SeqLM")
 _Layer = TypeVar("_Layer", bound=eqx.Module)
 
 
@@ -289,7 +286,7 @@ def _mask_padded_vocab(logits: Float[Array, "seq vocab"], vocab: int) -> Float[A
     return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
 
 
-class AbstractSeq2SeqLM(eqx.Module):
+class AbstractSeq2SeqLM(hf.HFModel):
     """An encoder-decoder language model: shared embeddings, two stacks, a vocabulary head.
 
     Called on one unbatched source sequence and one target sequence (the decoder input:
@@ -559,58 +556,6 @@ class AbstractSeq2SeqLM(eqx.Module):
         x, new = run_stack(self.decoder_blocks, x, per_layer, layer, policy)
         logits = self._head(self._final(x, True))
         return _mask_padded_vocab(logits, self.vocab_size), new
-
-    @classmethod
-    def from_hf(
-        cls: type[_Model],
-        path: str | Path,
-        *,
-        mesh: Mesh | None = None,
-        specs: PyTree | None = None,
-        dtype: DTypeLike | None = None,
-        scan_layers: bool = False,
-        vocab_multiple: int = 1,
-        remat: str = "none",
-    ) -> _Model:
-        """Load a `transformers` `save_pretrained` folder (config.json + safetensors).
-
-        Arrays are read, converted and checked one at a time; with a `mesh` each is
-        placed straight onto it (see `AbstractCausalLM.from_hf`, which this mirrors).
-
-        Args:
-            path: the folder.
-            mesh: from `rc.make_mesh`; without it arrays go to the default device.
-            specs: a `PartitionSpec` tree for this model; derived by the rules when omitted.
-            dtype: cast floating arrays to this dtype; default: as stored.
-            scan_layers: stack each stack's layers and run them with `lax.scan`.
-            vocab_multiple: pad the vocabulary to a multiple of this for an even split.
-            remat: rematerialise each layer in the backward pass (see `rc.remat`).
-
-        Returns:
-            The model.
-
-        Example:
-            >>> model = rc.models.T5.from_hf("t5-small-folder", mesh=rc.make_mesh(2))
-        """
-        return hf.load(
-            cls,
-            path,
-            mesh=mesh,
-            specs=specs,
-            dtype=dtype,
-            scan_layers=scan_layers,
-            vocab_multiple=vocab_multiple,
-            remat=remat,
-        )
-
-    def to_hf(self, path: str | Path) -> None:
-        """Write `config.json` and `model.safetensors` that `transformers` loads.
-
-        Example:
-            >>> model.to_hf("out")
-            >>> transformers.AutoModelForSeq2SeqLM.from_pretrained("out")
-        """
-        hf.save(self, path)
 
 
 def _mask(
