@@ -17,6 +17,7 @@ from .gpt2 import GPT2Config as GPT2Config
 from .gptj import GPTJ as GPTJ
 from .gptj import GPTJConfig as GPTJConfig
 from .hf import HFConfig as HFConfig
+from .hf import HFModel as HFModel
 from .hf import MissingTensorError as MissingTensorError
 from .layers import MLP as MLP
 from .layers import Attention as Attention
