@@ -219,3 +219,23 @@ def test_predict_step_checks_the_batch_axis():
     assert labels.shape == (8,)
     with pytest.raises(ValueError, match=r"pred_fn must return .*batch of 8.* it returned \(\)"):
         rc.predict_step(lambda m, b, k: jax.vmap(m)(b["x"]).sum())(model, batch, jax.random.key(0))
+
+
+def test_second_step_reuses_the_first_steps_program():
+    """optax's counters start on one device; the step must not compile again for step 2."""
+    mesh = rc.make_mesh(2)
+    traces = []
+
+    def counted(model, batch, key):
+        traces.append(1)
+        return loss_fn(model, batch, key)
+
+    model = _place(_mlp(), mesh)
+    opt = optax.adam(1e-2)
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    assert any(not isinstance(x.sharding, NamedSharding) for x in jax.tree.leaves(state))
+    step = rc.train_step(counted, opt)
+    batch = _global(_data(8), mesh)
+    for _ in range(3):
+        model, state, _ = step(model, state, batch, jax.random.key(0))
+    assert len(traces) == 1

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import fsdp
 from .mesh import DATA, mesh_shape
+from .place import replicate_strays
 from .precision import check_param_dtypes, check_precision, for_compute
 
 LossFn = Callable[[Any, Any, PRNGKeyArray], Any]
@@ -302,7 +303,14 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
 
     @functools.wraps(fn)
     def call(model: Any, opt_state: Any, *rest: Any) -> _T:
-        with fsdp.stored_shardings(stored_shardings(model)):
+        shardings = stored_shardings(model)
+        mesh = next((s.mesh for s in shardings if s is not None), None)
+        if isinstance(mesh, Mesh):
+            # optax makes its counters on the default device and the step returns them
+            # replicated over the mesh; placed there first, the second call finds the
+            # first call's program instead of compiling another.
+            opt_state = replicate_strays(opt_state, mesh)
+        with fsdp.stored_shardings(shardings):
             return jitted(rest, model, opt_state)
 
     return call
