@@ -8,10 +8,14 @@ Part 1, on 8 simulated CPU devices at meshes (data x model) 8x1, 4x2 and 2x4: on
 (vocabulary 1024, hidden 256, 4 layers, 8 heads, 128 tokens, tied head, GPT-2's
 initialisation: N(0, 0.02) weights and embeddings, N(0, 0.02 / sqrt(2 * layers)) for
 the residual projections, zero biases, unit LayerNorms), 32 sequences of real text
-(the bytes of `pydoc_data.topics`), `optax.adamw(1e-3)`, each step on all 32. Rows:
+(the bytes of `pydoc_data.topics`), `optax.adamw(1e-3)`, each step on all 32. Every
+row starts from the very same weights, so every row's losses agree to float rounding
+(a layout or step that changed the arithmetic would show there). Rows:
 
-- `redco`: the same GPT written once as a Flax linen module, split by redco 0.4.23's
-  rules and stepped by its `default_train_step` exactly as its `Trainer` builds it
+- `redco`: the same GPT written once as a Flax linen module (its own initialisers are
+  GPT-2's too; it starts from the zoo model's weights, kernels transposed to Flax's
+  `(in, out)`), split by redco 0.4.23's rules and stepped by its
+  `default_train_step` exactly as its `Trainer` builds it
   (`pjit` over its `("dp", "mp")` mesh; at 8x1 redco has no mesh and `pmap`s the
   step over replicated state). Only when `redco` and `flax` import (`nox -s
   bench_peer` installs them; they are never redcoast dependencies).
@@ -181,6 +185,33 @@ def flax_gpt() -> Any:
             return emb.attend(nn.LayerNorm(1e-5, name="ln_f")(x))
 
     return GPT()
+
+
+def flax_params(zoo: rc.models.GPT2) -> dict[str, Any]:
+    """The zoo model's weights as the Flax module's parameters (kernels are `(in, out)`)."""
+
+    def dense(layer: eqx.nn.Linear) -> dict[str, jax.Array]:
+        assert layer.bias is not None
+        return {"kernel": layer.weight.T, "bias": layer.bias}
+
+    def norm(layer: Any) -> dict[str, jax.Array]:
+        return {"scale": layer.weight, "bias": layer.bias}
+
+    out: dict[str, Any] = {
+        "wte": {"embedding": zoo.embed_tokens.weight},
+        "wpe": zoo.embed_positions.weight,
+        "ln_f": norm(zoo.norm),
+    }
+    for i, block in enumerate(zoo.blocks):
+        attn = block.attn
+        out[f"h_{i}"] = {
+            "ln_1": norm(block.attn_norm),
+            "attn": {n: dense(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            "ln_2": norm(block.mlp_norm),
+            "fc_in": dense(block.mlp.fc_in),
+            "fc_out": dense(block.mlp.fc_out),
+        }
+    return out
 
 
 def redco_available() -> str | None:
@@ -360,7 +391,10 @@ def redco_row(n_data: int, n_model: int, ids: np.ndarray) -> Row:
     from redco.trainers.utils import default_train_step
 
     model = flax_gpt()
-    params = freeze(model.init(jax.random.key(0), jnp.zeros((1, S), jnp.int32))["params"])
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, S), jnp.int32))
+    params = freeze(flax_params(new_zoo_model()))
+    if jax.tree.structure(params) != jax.tree.structure(freeze(shapes["params"])):
+        raise RuntimeError("the Flax GPT's parameters are not the zoo GPT-2's")
     opt = optax.adamw(LR)
 
     def loss_fn(rng: Any, state: Any, params: Any, batch: Any, is_training: bool) -> Any:
