@@ -47,7 +47,10 @@ on a named accelerator = per-device FLOPs / peak + the time of each collective a
 accelerator's per-device interconnect bandwidth with ring factors (all-reduce
 2(n-1)/n x bytes, all-gather (n-1)/n x gathered bytes, reduce-scatter (n-1)/n x
 unreduced bytes), compute and communication not overlapped, the same arithmetic for
-every row. `cost_analysis()` of an SPMD program counts one device's FLOPs (a matmul
+every row. `redcoast.hlo` names the mesh axes a collective spans, not its group size: a
+group over `model` is taken to hold n_model devices, over `data` n_data, and over both
+axes all 8 (an upper bound: XLA sometimes groups fewer devices across both axes).
+`cost_analysis()` of an SPMD program counts one device's FLOPs (a matmul
 split 8 ways reports 1/8 of its FLOPs at 8x1 and at 1x8 alike; checked on this JAX).
 The program is float32 and the estimate keeps its bytes; its FLOPs run at the peak
 JAX's default matmul precision uses for float32: TF32 tensor cores on an A100,
@@ -536,7 +539,7 @@ def estimate(
         flops: one device's FLOPs per step (`cost_analysis()["flops"]`).
         found: `[op, axis, bytes]` of each collective of the step (`redcoast.hlo`);
             a collective over `"model"` spans `n_model` devices, over `"data"`
-            `n_data`, over `"both"` all of them.
+            `n_data`, over `"both"` all of them (at most: the HLO may group fewer).
         n_data: the mesh's data axis.
         n_model: the mesh's model axis.
         accelerator: the peak rates.
