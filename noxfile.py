@@ -1,5 +1,5 @@
 """Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s slow`, `nox -s lint`,
-`nox -s multihost`, `nox -s bench`, `nox -s examples`."""
+`nox -s multihost`, `nox -s bench`, `nox -s bench_peer`, `nox -s examples`."""
 
 from pathlib import Path
 
@@ -47,7 +47,19 @@ def bench(session: nox.Session) -> None:
     """Benchmarks in scripts/: each prints a table and writes JSON under bench-results/."""
     session.install("-e", ".[hf]")
     for script in sorted(Path("scripts").glob("bench_*.py")):
-        session.run("python", str(script), *session.posargs, env=SIMULATED)
+        if script.name != "bench_peer.py":  # needs redco, which is never installed here
+            session.run("python", str(script), *session.posargs, env=SIMULATED)
+
+
+@nox.session
+def bench_peer(session: nox.Session) -> None:
+    """redcoast beside redco 0.4.23 (Flax), FSDP and a hand-written step: scripts/bench_peer.py.
+
+    redco, Flax and tqdm (which redco imports without declaring it) go into this
+    session's environment only; they are never dependencies of redcoast.
+    """
+    session.install("-e", ".", "redco==0.4.23", "flax", "tqdm")
+    session.run("python", "scripts/bench_peer.py", *session.posargs, env=SIMULATED)
 
 
 @nox.session
