@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
+from redcoast import hlo
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 128, (8, 16)), jnp.int32)
 LLAMA = rc.models.LlamaConfig(
@@ -220,3 +221,43 @@ def test_fsdp_plan_never_splits_the_scanned_layer_axis_and_reports_what_it_canno
     assert any("no dimension divides into 3 data shards" in note for note in odd.notes)
     with pytest.raises(ValueError, match="fsdp must be >= 1"):
         rc.sharding_plan(abstract, 1, fsdp=0)
+
+
+def test_use_spec_keeps_only_what_tensor_parallelism_asked_for() -> None:
+    use = rc.fsdp.use_spec
+    assert use(P("model", "data")) == P("model", None)
+    assert use(P(("model", "data"), None)) == P("model", None)
+    # How FSDP divides a weight that tensor parallelism replicates: used whole.
+    assert use(P(("data", "model"))) == P(None)
+    assert use(P(None, "data")) == P(None, None)
+
+
+@pytest.mark.parametrize(
+    "scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["unrolled", "scan"]
+)
+def test_fsdp_adds_no_model_axis_traffic_to_tensor_parallelism(scan_layers: bool) -> None:
+    """TP x FSDP gathers weights over the data axis only; the activations keep TP's layout."""
+    mesh = rc.make_mesh(2)
+    batch = jax.device_put({"ids": IDS}, NamedSharding(mesh, P("data")))
+    model_bytes = {}
+    for fsdp in (False, True):
+        model = rc.place(
+            make("gpt2", scan_layers)(jax.random.key(0)),
+            mesh,
+            example_call=lambda m: loss_fn(m, batch, jax.random.key(0)),
+            fsdp=fsdp,
+        )
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        optimizer = optax.adamw(1e-2)
+        state = optimizer.init(params)
+        step = rc.train_step(loss_fn, optimizer, jit=False)
+
+        def run(p, s, b, k, step=step, static=static):
+            m, s, metrics = step(eqx.combine(p, static), s, b, k)
+            return eqx.filter(m, eqx.is_inexact_array), s, metrics
+
+        with rc.fsdp.stored_shardings([x.sharding for x in jax.tree.leaves(params)]):
+            lowered = jax.jit(run).lower(params, state, batch, jax.random.key(0))
+        found = hlo.collectives(lowered.compile().as_text(), mesh)
+        model_bytes[fsdp] = sum(c.nbytes for c in found if c.axis == "model")
+    assert model_bytes[True] <= 1.05 * model_bytes[False], model_bytes

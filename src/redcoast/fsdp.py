@@ -72,10 +72,18 @@ def _names(entry: Any) -> tuple[Any, ...]:
 
 
 def use_spec(spec: P) -> P:
-    """`spec` without the data axis: how a weight stored with `spec` is used."""
+    """How a weight stored with `spec` is used: whole over the data axis.
+
+    A dimension split over `(a, "data", b)` is used split over `a` alone: gathering
+    over the data axis makes each `a` block whole, whereas keeping `b` would name a
+    layout that tensor parallelism never asked for (`("data", "model")` is how FSDP
+    divides a weight that tensor parallelism replicates).
+    """
     entries = []
     for entry in spec:
-        kept = tuple(n for n in _names(entry) if n is not None and n != DATA)
+        names = _names(entry)
+        kept = names[: names.index(DATA)] if DATA in names else names
+        kept = tuple(n for n in kept if n is not None)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return P(*entries)
 
