@@ -35,13 +35,8 @@ EXPECTED = {
 }
 
 
-# The demo and the seq2seq example run here; the other smoke runs go to `nox -s slow`.
-SLOW = set(SMOKE) - {"seq2seq"}
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(SMOKE)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SMOKE))
 def test_example_runs_through_the_cli(name, tmp_path):
     out = tmp_path / "metrics.json"
     args = ["run", name, *SMOKE[name], "--workdir", str(tmp_path), "--metrics-json", str(out)]

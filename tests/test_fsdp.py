@@ -232,9 +232,8 @@ def test_use_spec_keeps_only_what_tensor_parallelism_asked_for() -> None:
     assert use(P(None, "data")) == P(None, None)
 
 
-@pytest.mark.parametrize(
-    "scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["unrolled", "scan"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
 def test_fsdp_adds_no_model_axis_traffic_to_tensor_parallelism(scan_layers: bool) -> None:
     """TP x FSDP gathers weights over the data axis only; the activations keep TP's layout."""
     mesh = rc.make_mesh(2)
