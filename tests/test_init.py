@@ -83,7 +83,10 @@ def loss(model: rc.models.AbstractCausalLM, ids: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "arch",
+    [a if a in ("gpt2", "llama") else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS],
+)
 def test_initial_loss_is_a_uniform_guess(arch: str) -> None:
     uniform = math.log(VOCAB)
     for scan_layers in (False, True):

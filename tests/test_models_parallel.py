@@ -155,7 +155,10 @@ def test_a_vocabulary_that_divides_nothing_is_padded_split_masked_and_saved_whol
 # ----------------------------------------------------------------------------- numerics
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# GPT-2 here; the other architectures in `nox -s slow`.
+@pytest.mark.parametrize(
+    "arch", [a if a == "gpt2" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS]
+)
 def test_sharded_train_step_equals_unsharded(arch: str) -> None:
     model = build(arch)
     batch = {"ids": IDS}

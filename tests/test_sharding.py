@@ -227,7 +227,9 @@ def model_axis_traffic(model: eqx.Module, specs: object, n: int, x: Array) -> di
     return {**traffic, "weight all-gathers": len(weight_all_gathers(found, split))}
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "name", [n if n != "gptj" else pytest.param(n, marks=pytest.mark.slow) for n in MODELS]
+)
 def test_compiled_traffic_matches_megatron_with_no_weight_all_gathers(name: str) -> None:
     model = MODELS[name]()
     x = inputs(name)
