@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -290,6 +290,10 @@ def stored_shardings(model: Any) -> list[NamedSharding | None]:
     ]
 
 
+def _on_one_device(x: Any) -> bool:
+    return isinstance(getattr(x, "sharding", None), SingleDeviceSharding)
+
+
 def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
     """`eqx.filter_jit` of `fn(model, opt_state, *rest)` donating the model and optimizer state.
 
@@ -305,10 +309,10 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
     def call(model: Any, opt_state: Any, *rest: Any) -> _T:
         shardings = stored_shardings(model)
         mesh = next((s.mesh for s in shardings if s is not None), None)
-        if isinstance(mesh, Mesh):
-            # optax makes its counters on the default device and the step returns them
-            # replicated over the mesh; placed there first, the second call finds the
-            # first call's program instead of compiling another.
+        # optax makes its counters on the default device and the step returns them
+        # replicated over the mesh; placed there first, the second call finds the
+        # first call's program instead of compiling another.
+        if isinstance(mesh, Mesh) and any(map(_on_one_device, jax.tree.leaves(opt_state))):
             opt_state = replicate_strays(opt_state, mesh)
         with fsdp.stored_shardings(shardings):
             return jitted(rest, model, opt_state)
