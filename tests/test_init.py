@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import pytest
 from safetensors.numpy import load_file
+from tiny import DECODERS, hf_decoder_config
 
 import redcoast as rc
 
@@ -27,8 +28,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 512
-ARCHS = ("gpt2", "llama", "opt", "gptj")
-CLASSES = {"gpt2": "GPT2", "llama": "Llama", "opt": "OPT", "gptj": "GPTJ"}
+ARCHS = tuple(DECODERS)
+CLASSES = DECODERS
 IDS = np.random.default_rng(0).integers(0, VOCAB, (8, 64)).astype(np.int32)
 # Relative tolerance on each parameter's mean and standard deviation. The smallest
 # randomly drawn tensors have 64 x 64 entries, whose sample std is within ~1.1% of
@@ -38,32 +39,7 @@ RTOL = 0.1
 
 
 def hf_config(arch: str) -> object:
-    common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
-    if arch == "gpt2":
-        return transformers.GPT2Config(n_positions=64, n_embd=64, n_layer=4, n_head=4, **common)
-    if arch == "llama":
-        return transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            **common,
-        )
-    if arch == "opt":
-        return transformers.OPTConfig(
-            hidden_size=64,
-            ffn_dim=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=64,
-            word_embed_proj_dim=64,
-            **common,
-        )
-    return transformers.GPTJConfig(
-        n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, **common
-    )
+    return hf_decoder_config(arch, vocab=VOCAB, width=64, gpt2_layers=4, eos_token_id=2)
 
 
 def ours(arch: str, *, scan_layers: bool = False) -> rc.models.AbstractCausalLM:

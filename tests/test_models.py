@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from tiny import DECODERS, hf_decoder_config
 
 import redcoast as rc
 
@@ -23,38 +24,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
-ARCHS = ("gpt2", "llama", "opt", "gptj")
-CLASSES = {"gpt2": "GPT2", "llama": "Llama", "opt": "OPT", "gptj": "GPTJ"}
+ARCHS = tuple(DECODERS)
+CLASSES = DECODERS
 IDS = np.random.default_rng(0).integers(2, VOCAB, (2, 12)).astype(np.int32)
 
 
 def hf_config(arch: str) -> object:
-    common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
-    if arch == "gpt2":
-        return transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4, **common)
-    if arch == "llama":
-        return transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            **common,
-        )
-    if arch == "opt":
-        return transformers.OPTConfig(
-            hidden_size=32,
-            ffn_dim=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=64,
-            word_embed_proj_dim=32,
-            **common,
-        )
-    return transformers.GPTJConfig(
-        n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, **common
-    )
+    return hf_decoder_config(arch, vocab=VOCAB, width=32)
 
 
 def torch_logits(model: object, ids: np.ndarray) -> np.ndarray:

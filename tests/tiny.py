@@ -306,3 +306,44 @@ def drawn(cls: type, config: object, *, scan_layers: bool = False) -> eqx.Module
         return jnp.asarray(rng.normal(0.0, 0.3, leaf.shape).astype(leaf.dtype))
 
     return jax.tree_util.tree_map(draw, skeleton)
+
+
+DECODERS = {"gpt2": "GPT2", "llama": "Llama", "opt": "OPT", "gptj": "GPTJ"}
+"""The zoo's decoder architectures: `model_type` -> class name in `redcoast.models`."""
+
+
+def hf_decoder_config(
+    arch: str, *, vocab: int, width: int, gpt2_layers: int = 2, eos_token_id: int = 1
+) -> object:
+    """A small `transformers` config of a zoo decoder: `width` wide, 2 layers (GPT-2:
+    `gpt2_layers`), 4 heads, MLPs twice as wide, 64 positions."""
+    import transformers  # the `hf` extra; only the tests that compare with it call this
+
+    common = dict(vocab_size=vocab, pad_token_id=1, bos_token_id=0, eos_token_id=eos_token_id)
+    if arch == "gpt2":
+        return transformers.GPT2Config(
+            n_positions=64, n_embd=width, n_layer=gpt2_layers, n_head=4, **common
+        )
+    if arch == "llama":
+        return transformers.LlamaConfig(
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **common,
+        )
+    if arch == "opt":
+        return transformers.OPTConfig(
+            hidden_size=width,
+            ffn_dim=2 * width,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=width,
+            **common,
+        )
+    return transformers.GPTJConfig(
+        n_positions=64, n_embd=width, n_layer=2, n_head=4, rotary_dim=width // 8, **common
+    )
