@@ -19,8 +19,13 @@ row starts from the very same weights, so every row's losses agree to float roun
   (`pjit` over its `("dp", "mp")` mesh; at 8x1 redco has no mesh and `pmap`s the
   step over replicated state). Only when `redco` and `flax` import (`nox -s
   bench_peer` installs them; they are never redcoast dependencies).
-- `hand jax.jit (Megatron)`: `rc.models.GPT2` with Megatron-LM's layout written by
-  path, stepped by a plain `jax.jit` of `value_and_grad` + the optax update.
+- `hand jax.jit, zoo GPT (Megatron)`: `rc.models.GPT2` with Megatron-LM's layout
+  written by path, stepped by a plain `jax.jit` of `value_and_grad` + the optax
+  update: what `rc.train_step` adds, and nothing else, differs from `redcoast TP`.
+- `hand jax.jit, plain GPT (Megatron)`: the same GPT written directly in JAX
+  (`plain_gpt2`: weights `(in, out)`, `x @ w + b`, the Flax module's parameters),
+  Megatron-LM's layout written by path, the same plain `jax.jit` step: a program a
+  user would write by hand without redcoast.
 - `redcoast TP`: `rc.models.GPT2` split by `rc.sharding_plan` (at 8x1: replicated,
   plain data parallelism), stepped by `rc.train_step`.
 - `redcoast TP x FSDP`: the plan with `fsdp=n_data` (every weight also split over the
@@ -37,8 +42,9 @@ the HLO's collectives are the step's; the script checks that there is no `while`
 
 Timing: the machine is shared and noisy, so each repeat runs `--steps` steps of every
 row back to back in rotating order; steps/s are medians over repeats, and the ratios
-are medians of the paired ratios (same repeat). Compile s is the wall time of
-lowering, compiling and running the first step. Every row runs the same number of
+are medians of the paired ratios (same repeat). Compile s is the median of three
+wall times of tracing, lowering and compiling, each after `jax.clear_caches()`.
+Every row runs the same number of
 steps (1 + 1 warm-up + reps x steps); the loss reported is the first step's and the
 last step's (each before its update), so the rows' final losses are comparable.
 
@@ -56,8 +62,9 @@ The program is float32 and the estimate keeps its bytes; its FLOPs run at the pe
 JAX's default matmul precision uses for float32: TF32 tensor cores on an A100,
 one-pass bfloat16 on a TPU.
 
-Part 3, on one device: forward + backward of the zoo's GPT-2 against a plain JAX
-implementation of the same architecture (weights `(in, out)`, `x @ w + b`).
+Part 3, on one device: forward + backward of the zoo's GPT-2 against `plain_gpt2`, the
+same architecture written directly in JAX (weights `(in, out)`, `x @ w + b`), on the
+same weights.
 
 Run: nox -s bench_peer      (or, in an environment with redco==0.4.23, flax and tqdm:
      python scripts/bench_peer.py --reps 7)
@@ -94,8 +101,10 @@ from redcoast.hlo import collectives, summarize
 V, D, H, L, S = 1024, 256, 8, 4, 128
 N_SEQ = 32
 LR = 1e-3
-TP, FSDP, REDCO, HAND = "redcoast TP", "redcoast TP x FSDP", "redco", "hand jax.jit (Megatron)"
+TP, FSDP, REDCO = "redcoast TP", "redcoast TP x FSDP", "redco"
+HAND, PLAIN = "hand jax.jit, zoo GPT (Megatron)", "hand jax.jit, plain GPT (Megatron)"
 Runner = Callable[[int], float]  # run n steps, return the last step's loss
+COMPILES = 3  # compilations per row; compile time is their median
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +273,10 @@ def compile_row(
 ) -> Row:
     """Compile a step ahead of time and take its first step with the executable.
 
+    Compile time is the median over `COMPILES` compilations of tracing, lowering and
+    compiling, each after `jax.clear_caches()`: the first compilation on a mesh also
+    pays for warming up the process, whichever row comes first.
+
     Args:
         name: the row's label.
         lower: `() -> jax.stages.Lowered` of the step.
@@ -271,8 +284,12 @@ def compile_row(
         state: what the step carries from call to call (parameters, optimizer state).
         logical: the bytes of the parameters and optimizer state, each once.
     """
-    start = time.perf_counter()
-    compiled = lower().compile()
+    seconds = []
+    for _ in range(COMPILES):
+        jax.clear_caches()
+        start = time.perf_counter()
+        compiled = lower().compile()
+        seconds.append(time.perf_counter() - start)
     per_device = local_bytes(state)
     held = [state]
 
@@ -283,7 +300,7 @@ def compile_row(
         return float(np.asarray(loss).ravel()[0])
 
     first = run(1)
-    return Row(name, run, compiled, time.perf_counter() - start, first, per_device, logical)
+    return Row(name, run, compiled, float(np.median(seconds)), first, per_device, logical)
 
 
 def redcoast_row(mesh: Mesh, ids: np.ndarray, *, fsdp: bool) -> Row:
@@ -349,21 +366,31 @@ def megatron_specs(model: eqx.Module) -> Any:
     return jax.tree_util.tree_map_with_path(spec, eqx.filter(model, eqx.is_array))
 
 
-def hand_row(mesh: Mesh, ids: np.ndarray) -> Row:
-    """The zoo's GPT-2 in Megatron-LM's layout, stepped by a plain `jax.jit`."""
-    model = new_zoo_model()
-    params, static = eqx.partition(model, eqx.is_array)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), megatron_specs(model))
-    params = jax.device_put(params, shardings)
+PLAIN_MEGATRON = {  # path suffix -> spec of `flax_params`' (in, out) kernels
+    **{f"['{n}']['kernel']": P(None, "model") for n in ("q_proj", "k_proj", "v_proj", "fc_in")},
+    **{f"['{n}']['bias']": P("model") for n in ("q_proj", "k_proj", "v_proj", "fc_in")},
+    "['o_proj']['kernel']": P("model", None),
+    "['fc_out']['kernel']": P("model", None),
+    "['wte']['embedding']": P("model", None),
+}
+
+
+def jit_row(
+    name: str,
+    mesh: Mesh,
+    ids: np.ndarray,
+    params: Any,
+    specs: Any,
+    loss: Callable[[Any, jax.Array], jax.Array],
+) -> Row:
+    """`params` placed by `specs`, stepped by a plain `jax.jit` of `value_and_grad` + AdamW."""
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     opt = optax.adamw(LR)
     opt_state = opt.init(params)
     batch = jax.device_put(ids, NamedSharding(mesh, P("data")))
 
     def train(params: Any, opt_state: Any, ids: jax.Array) -> tuple[Any, Any, jax.Array]:
-        def loss(p: Any) -> jax.Array:
-            return zoo_loss(eqx.combine(p, static), {"ids": ids}, None)
-
-        value, grads = jax.value_and_grad(loss)(params)
+        value, grads = jax.value_and_grad(loss)(params, ids)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
@@ -375,11 +402,36 @@ def hand_row(mesh: Mesh, ids: np.ndarray) -> Row:
 
     total = logical_bytes((params, opt_state))
     return compile_row(
-        HAND,
+        name,
         lambda: jitted.lower(params, opt_state, batch),
         step,
         (params, opt_state),
         logical=total,
+    )
+
+
+def hand_row(mesh: Mesh, ids: np.ndarray) -> Row:
+    """The zoo's GPT-2 in Megatron-LM's layout, stepped by a plain `jax.jit`."""
+    model = new_zoo_model()
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def loss(p: Any, ids: jax.Array) -> jax.Array:
+        return zoo_loss(eqx.combine(p, static), {"ids": ids}, None)
+
+    return jit_row(HAND, mesh, ids, params, megatron_specs(model), loss)
+
+
+def plain_row(mesh: Mesh, ids: np.ndarray) -> Row:
+    """GPT-2 written directly in JAX (`plain_gpt2`), Megatron-LM's layout, a plain `jax.jit`."""
+    params = flax_params(new_zoo_model())
+
+    def spec(path: tuple, leaf: Any) -> P:
+        name = jax.tree_util.keystr(path)
+        return next((s for k, s in PLAIN_MEGATRON.items() if name.endswith(k)), P())
+
+    specs = jax.tree_util.tree_map_with_path(spec, params)
+    return jit_row(
+        PLAIN, mesh, ids, params, specs, lambda p, ids: cross_entropy(plain_gpt2(p, ids), ids)
     )
 
 
@@ -590,56 +642,33 @@ def paired(runners: dict[str, Runner], steps: int, reps: int, reference: str) ->
 # ------------------------------------------------------------------ one device
 
 
-def plain_gpt2_params(key: jax.Array) -> dict[str, Any]:
-    """GPT-2's parameters as plain arrays, weights `(in, out)`, initialised as GPT-2's."""
-    keys = iter(jax.random.split(key, 4 + 4 * L))
-
-    def normal(*shape: int, std: float = 0.02) -> jax.Array:
-        return std * jax.random.normal(next(keys), shape)
-
-    def norm() -> dict[str, jax.Array]:
-        return {"scale": jnp.ones(D), "bias": jnp.zeros(D)}
-
-    residual = 0.02 / math.sqrt(2 * L)
-    layers = [
-        {
-            "ln_1": norm(),
-            "qkv": normal(D, 3 * D),
-            "qkv_b": jnp.zeros(3 * D),
-            "proj": normal(D, D, std=residual),
-            "proj_b": jnp.zeros(D),
-            "ln_2": norm(),
-            "fc": normal(D, 4 * D),
-            "fc_b": jnp.zeros(4 * D),
-            "out": normal(4 * D, D, std=residual),
-            "out_b": jnp.zeros(D),
-        }
-        for _ in range(L)
-    ]
-    return {"wte": normal(V, D), "wpe": normal(S, D), "layers": layers, "ln_f": norm()}
-
-
 def plain_gpt2(params: dict[str, Any], ids: jax.Array) -> jax.Array:
-    """GPT-2's forward pass on a batch of sequences, written directly."""
+    """GPT-2's forward pass on a batch of sequences, written directly on `flax_params`."""
 
     def layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
         mean = x.mean(-1, keepdims=True)
         var = ((x - mean) ** 2).mean(-1, keepdims=True)
         return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
 
+    def dense(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+        return x @ p["kernel"] + p["bias"]
+
     b, s = ids.shape
-    x = params["wte"][ids] + params["wpe"][:s]
+    x = params["wte"]["embedding"][ids] + params["wpe"][:s]
     causal = jnp.tril(jnp.ones((s, s), bool))
-    for p in params["layers"]:
-        q, k, v = jnp.split(layer_norm(x, p["ln_1"]) @ p["qkv"] + p["qkv_b"], 3, axis=-1)
-        q, k, v = (t.reshape(b, s, H, D // H) for t in (q, k, v))
+    for i in range(L):
+        p = params[f"h_{i}"]
+        h = layer_norm(x, p["ln_1"])
+        q, k, v = (
+            dense(h, p["attn"][n]).reshape(b, s, H, D // H) for n in ("q_proj", "k_proj", "v_proj")
+        )
         w = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D // H)
         w = jax.nn.softmax(jnp.where(causal, w, jnp.finfo(w.dtype).min), axis=-1)
         o = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, D)
-        x = x + o @ p["proj"] + p["proj_b"]
-        h = jax.nn.gelu(layer_norm(x, p["ln_2"]) @ p["fc"] + p["fc_b"], approximate=True)
-        x = x + h @ p["out"] + p["out_b"]
-    return layer_norm(x, params["ln_f"]) @ params["wte"].T
+        x = x + dense(o, p["attn"]["o_proj"])
+        h = jax.nn.gelu(dense(layer_norm(x, p["ln_2"]), p["fc_in"]), approximate=True)
+        x = x + dense(h, p["fc_out"])
+    return layer_norm(x, params["ln_f"]) @ params["wte"]["embedding"].T
 
 
 def one_device(ids: np.ndarray, steps: int, reps: int) -> dict[str, Any]:
@@ -647,7 +676,7 @@ def one_device(ids: np.ndarray, steps: int, reps: int) -> dict[str, Any]:
     device = jax.devices()[0]
     batch = jax.device_put(jnp.asarray(ids[:8]), device)
     zoo_params, static = eqx.partition(jax.device_put(new_zoo_model(), device), eqx.is_array)
-    plain_params = jax.device_put(plain_gpt2_params(jax.random.key(0)), device)
+    plain_params = jax.device_put(flax_params(new_zoo_model()), device)
 
     @jax.jit
     def zoo_grad(p: Any, ids: jax.Array) -> tuple[jax.Array, Any]:
@@ -733,6 +762,9 @@ def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["tp_args_plus_temp_at_most_redco"] = (
             tp["args_bytes"] + tp["temp_bytes"] <= redco["args_bytes"] + redco["temp_bytes"]
         )
+    for name in (HAND, PLAIN):
+        out[f"tp_over_{name}_steps_per_s"] = rows[name]["ratio"]
+    out["tp_at_least_hand_speed"] = min(rows[n]["ratio"] for n in (HAND, PLAIN)) >= 1.0
     finals = [e["last_loss"] for e in rows.values()]
     out["final_loss_spread"] = (max(finals) - min(finals)) / min(finals)
     return out
@@ -750,7 +782,7 @@ def bench_mesh(shape: str, ids: np.ndarray, args: argparse.Namespace, redco: boo
     rows = [redcoast_row(mesh, ids, fsdp=False)]
     if redco:
         rows.append(redco_row(n_data, n_model, ids))
-    rows += [hand_row(mesh, ids), redcoast_row(mesh, ids, fsdp=True)]
+    rows += [hand_row(mesh, ids), plain_row(mesh, ids), redcoast_row(mesh, ids, fsdp=True)]
     timing = paired({r.name: r.run for r in rows}, args.steps, args.reps, TP)
     entries = {}
     for row in rows:

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
-from .layers import MLP, activation
+from .layers import MLP, activation, normalise
 from .seq2seq import (
     AbstractSeq2SeqLM,
     DecoderLayer,
@@ -174,7 +174,7 @@ class BART(AbstractSeq2SeqLM):
             x = x * math.sqrt(self.config.d_model)
         table = self.decoder_positions if decoder else self.encoder_positions
         x = x + jax.vmap(table)(positions + POSITION_OFFSET)
-        return jax.vmap(self.decoder_embed_norm if decoder else self.encoder_embed_norm)(x)
+        return normalise(self.decoder_embed_norm if decoder else self.encoder_embed_norm, x)
 
     def _final(self, x: Float[Array, "seq hidden"], decoder: bool) -> Float[Array, "seq hidden"]:
         return x  # post-norm blocks end normed

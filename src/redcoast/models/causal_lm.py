@@ -23,7 +23,7 @@ from .. import fsdp
 from ..rematerialisation import RematPolicy
 from . import hf
 from .checks import check_range
-from .layers import DecoderBlock, KVCache, Norm
+from .layers import DecoderBlock, KVCache, Norm, normalise
 
 Blocks = tuple[DecoderBlock, ...] | DecoderBlock
 """The layers: a tuple, or one `DecoderBlock` whose arrays have a leading layer axis."""
@@ -234,7 +234,7 @@ class AbstractCausalLM(hf.HFModel):
         return x
 
     def _logits(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
-        h = jax.vmap(fsdp.gathered(self.norm))(x)
+        h = normalise(fsdp.gathered(self.norm), x)
         if self.lm_head is None:
             logits = h @ fsdp.gathered(self.embed_tokens).weight.T
         else:

@@ -11,6 +11,7 @@ a second norm, GPT-J's parallel `x + attn(h) + mlp(h)`. Attention has a cached p
 (`Attention.cached`) that writes keys and values into a `KVCache` for generation.
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -84,9 +85,10 @@ def _matmul_fwd(x: Array, weight: Array) -> tuple[Array, tuple[Array, Array]]:
 def _matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     x, weight = res
     dx = jax.lax.dot_general(g, weight, (((g.ndim - 1,), (0,)), ((), ())))
-    # `(x^T g)^T` where `jax.grad` writes `g^T x`: see `dense`.
-    tokens = tuple(range(x.ndim - 1))
-    return dx, jax.lax.dot_general(x, g, ((tokens, tokens), ((), ()))).T
+    # `g^T x` with the tokens flattened into one axis: see `dense`.
+    rows = (((0,), (0,)), ((), ()))
+    dw = jax.lax.dot_general(g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]), rows)
+    return dx, dw
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -114,14 +116,17 @@ def dense(layer: eqx.nn.Linear, x: Float[Array, "*tokens in"]) -> Float[Array, "
     """`layer` on every row of `x`: `jax.vmap(layer)(x)` as one matmul, with a leaner gradient.
 
     `jax.grad` writes a Linear's weight gradient as `g^T x` (`g` the output's
-    gradient), for which XLA's CPU matmuls copy `g` transposed. When `g` is the
-    residual stream's gradient, XLA fuses the sum that produces it (a term from
-    every later layer) into that copy and recomputes it there for each projection,
-    element by element with strided reads; in a training step of a 4-layer GPT-2
-    on 8 CPU devices those copies took a fifth of the step. Here the gradient is
-    `(x^T g)^T`, which copies `x` (cheap to produce) instead, and under `jax.vmap`
-    (a batch of sequences) the batch joins the token axes, so one matmul computes
-    the batch's weight gradient rather than one per example summed afterwards.
+    gradient) contracting every token axis, `(batch, seq)` under `jax.vmap`. XLA's
+    CPU matmuls take one contracting axis, so XLA first copies `g` (or `x`)
+    transposed into a `(features, tokens)` matrix, and into that copy it fuses the
+    elementwise work that produces the operand: the GELU before `fc_out`, or the
+    sum of every later layer's term that makes the residual stream's gradient,
+    recomputed there with strided reads. Here the weight gradient is `g^T x` with
+    the tokens flattened into one axis first (a free reshape), a matmul that reads
+    both operands as they lie and writes the gradient in the weight's `(out, in)`
+    layout; and under `jax.vmap` (a batch of sequences) the batch joins the token
+    axes, so one matmul computes the batch's weight gradient rather than one per
+    example summed afterwards.
 
     Args:
         layer: the Linear (weight `(out, in)`, optional bias `(out,)`).
@@ -427,6 +432,88 @@ class SwiGLU(eqx.Module):
 Norm = eqx.nn.LayerNorm | eqx.nn.RMSNorm
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _normalise(
+    x: Array, weight: Array | None, bias: Array | None, eps: float, centre: bool
+) -> Array:
+    return _normalise_fwd(x, weight, bias, eps, centre)[0]
+
+
+_NormResiduals = tuple[Array, Array | None, Array, Array | None, Array | None]
+
+
+def _standardised(x: Array, mean: Array | None, rstd: Array) -> Array:
+    x = x.astype(rstd.dtype)
+    return (x if mean is None else x - mean) * rstd
+
+
+def _normalise_fwd(
+    x: Array, weight: Array | None, bias: Array | None, eps: float, centre: bool
+) -> tuple[Array, _NormResiduals]:
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mean = xf.mean(-1, keepdims=True) if centre else None
+    centred = xf if mean is None else xf - mean
+    rstd = jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + eps)
+    y = centred * rstd
+    if weight is not None:
+        y = weight.astype(y.dtype) * y
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y.astype(x.dtype), (x, mean, rstd, weight, bias)
+
+
+def _normalise_bwd(
+    eps: float, centre: bool, res: _NormResiduals, g: Array
+) -> tuple[Array, Array | None, Array | None]:
+    del eps, centre
+    x, mean, rstd, weight, bias = res
+    xhat = _standardised(x, mean, rstd)
+    g = g.astype(xhat.dtype)
+    tokens = tuple(range(g.ndim - 1))
+    a = g if weight is None else g * weight.astype(g.dtype)
+    da = a - xhat * (a * xhat).mean(-1, keepdims=True)
+    if mean is not None:
+        da = da - a.mean(-1, keepdims=True)
+    dw = None if weight is None else (g * xhat).sum(tokens).astype(weight.dtype)
+    db = None if bias is None else g.sum(tokens).astype(bias.dtype)
+    return (rstd * da).astype(x.dtype), dw, db
+
+
+_normalise.defvjp(_normalise_fwd, _normalise_bwd)
+
+
+def normalise(norm: Norm, x: Float[Array, "*tokens features"]) -> Float[Array, "*tokens features"]:
+    """`norm` (a LayerNorm or RMSNorm) on every row of `x`, with a closed-form gradient.
+
+    Equals `jax.vmap(norm)(x)`: computed in at least float32, returned in `x`'s
+    dtype. The gradient is written out as one expression per row
+    (`rstd * (a - mean(a) - xhat * mean(a * xhat))`, `a = g * weight`) instead of
+    `jax.grad`'s trace of the mean, the variance and the square root. Between
+    layers the residual stream's gradient is the previous one plus this term, and
+    with `jax.grad`'s many small terms XLA fused the whole chain (one term from
+    every later layer, up to 92 inputs) into each consumer and computed it again
+    there; this one is kept once per layer.
+
+    Args:
+        norm: an `eqx.nn.LayerNorm` or `eqx.nn.RMSNorm` over the last axis.
+        x: inputs, features last.
+
+    Returns:
+        The normalised rows, scaled and shifted by the norm's weight and bias.
+
+    Example:
+        >>> normalise(eqx.nn.LayerNorm(32), jnp.ones((10, 32))).shape
+        (10, 32)
+    """
+    if norm.shape != x.shape[-1:]:
+        raise ValueError(
+            f"{type(norm).__name__} of shape {norm.shape} normalises the last axis; it got "
+            f"an input of shape {x.shape}. Build it with shape (features,) = {x.shape[-1:]}."
+        )
+    centre = isinstance(norm, eqx.nn.LayerNorm)
+    return _normalise(x, norm.weight, norm.bias, norm.eps, centre)
+
+
 class DecoderBlock(eqx.Module):
     """A pre-norm decoder layer, serial or parallel.
 
@@ -470,7 +557,7 @@ class DecoderBlock(eqx.Module):
             The new hidden states, and the cache with `x`'s keys and values written
             (`None` without a cache).
         """
-        h = jax.vmap(self.attn_norm)(x)
+        h = normalise(self.attn_norm, x)
         if cache is None:
             attn = self.attn(h, positions)
         else:
@@ -478,4 +565,4 @@ class DecoderBlock(eqx.Module):
         if self.mlp_norm is None:
             return x + attn + self.mlp(h), cache
         x = x + attn
-        return x + self.mlp(jax.vmap(self.mlp_norm)(x)), cache
+        return x + self.mlp(normalise(self.mlp_norm, x)), cache

@@ -28,7 +28,7 @@ from .. import fsdp
 from ..rematerialisation import RematPolicy
 from . import hf
 from .checks import check_range
-from .layers import MLP, KVCache, Norm, SwiGLU
+from .layers import MLP, KVCache, Norm, SwiGLU, normalise
 
 _Layer = TypeVar("_Layer", bound=eqx.Module)
 
@@ -113,14 +113,14 @@ class Seq2SeqAttention(eqx.Module):
 
 def _pre(x: Float[Array, "seq hidden"], norm: Norm, post_norm: bool) -> Float[Array, "seq hidden"]:
     """A sublayer's input: the residual stream, normed first in a pre-norm block (T5)."""
-    return x if post_norm else jax.vmap(norm)(x)
+    return x if post_norm else normalise(norm, x)
 
 
 def _post(
     x: Float[Array, "seq hidden"], out: Float[Array, "seq hidden"], norm: Norm, post_norm: bool
 ) -> Float[Array, "seq hidden"]:
     """Add a sublayer's output to the residual stream; a post-norm block (BART) norms the sum."""
-    return jax.vmap(norm)(x + out) if post_norm else x + out
+    return normalise(norm, x + out) if post_norm else x + out
 
 
 class EncoderLayer(eqx.Module):

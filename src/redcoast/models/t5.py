@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
-from .layers import MLP, SwiGLU, activation
+from .layers import MLP, SwiGLU, activation, normalise
 from .seq2seq import (
     AbstractSeq2SeqLM,
     DecoderLayer,
@@ -215,7 +215,7 @@ class T5(AbstractSeq2SeqLM):
         return jax.vmap(self.embed_tokens)(ids)
 
     def _final(self, x: Float[Array, "seq hidden"], decoder: bool) -> Float[Array, "seq hidden"]:
-        return jax.vmap(self.decoder_norm if decoder else self.encoder_norm)(x)
+        return normalise(self.decoder_norm if decoder else self.encoder_norm, x)
 
     def _bias(
         self, queries: Int[Array, " seq"], keys: Int[Array, " kv"], decoder: bool
