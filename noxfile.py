@@ -10,20 +10,24 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "lint"]
 
 SIMULATED = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+# Two test processes: most of a test's time is XLA compiling, one core each.
+WORKERS = ("-n", "2")
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
     session.install("-e", ".[test,hf]")
-    session.run("pytest", "-m", "not slow and not multihost", *session.posargs, env=SIMULATED)
+    session.run(
+        "pytest", *WORKERS, "-m", "not slow and not multihost", *session.posargs, env=SIMULATED
+    )
 
 
 @nox.session
 def slow(session: nox.Session) -> None:
     """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI."""
     session.install("-e", ".[test,hf]")
-    session.run("pytest", "-m", "slow and not multihost", *session.posargs, env=SIMULATED)
+    session.run("pytest", *WORKERS, "-m", "slow and not multihost", *session.posargs, env=SIMULATED)
 
 
 @nox.session
