@@ -25,6 +25,8 @@ from .layers import DecoderBlock as DecoderBlock
 from .layers import KVCache as KVCache
 from .layers import SwiGLU as SwiGLU
 from .layers import activation as activation
+from .layers import dense as dense
+from .layers import normalise as normalise
 from .layers import rotate as rotate
 from .llama import Llama as Llama
 from .llama import LlamaConfig as LlamaConfig
