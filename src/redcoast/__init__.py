@@ -9,6 +9,7 @@ from importlib import metadata as _metadata
 from . import distributed as distributed
 from . import fsdp as fsdp
 from . import models as models
+from . import text as text
 from .checkpoint import Checkpoint as Checkpoint
 from .checkpoint import CheckpointError as CheckpointError
 from .checkpoint import latest_checkpoint as latest_checkpoint

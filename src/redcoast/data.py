@@ -10,8 +10,8 @@ on the order without talking. Each collates only the rows its own devices hold
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -24,6 +24,19 @@ from .mesh import DATA, mesh_shape
 
 CollateFn = Callable[[list[Any]], Mapping[str, Any]]
 """`(examples: list) -> dict[str, np.ndarray]`, the batch on the leading axis."""
+
+
+@runtime_checkable
+class Examples(Protocol):
+    """What `fit`, `predict` and `batches` take as examples: `len()` and integer indexing.
+
+    A list, `rc.text` rows, a NumPy array or memmap (one example per leading index)
+    and a `datasets.Dataset` all qualify; only the rows a process needs are indexed.
+    """
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: Any, /) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +284,7 @@ def barrier(name: str) -> None:
 
 
 def batches(
-    examples: Sequence[Any],
+    examples: Examples,
     *,
     collate_fn: CollateFn,
     mesh: Mesh,

@@ -6,21 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from .data import Batch, check_positive, to_host
+from .data import Batch, Examples, check_positive, to_host
 from .step import PredFn
 
-MetricFn = Callable[[Sequence[Any], list[Any]], Mapping[str, Any]]
+MetricFn = Callable[[Examples, list[Any]], Mapping[str, Any]]
 """`(examples, outputs) -> {name: number}`."""
 
 
-def check_examples(examples: Any, name: str) -> Sequence[Any]:
+def check_examples(examples: Any, name: str) -> Examples:
     """Raise unless `examples` is a non-empty sequence; return it.
 
     Args:
@@ -122,7 +122,7 @@ class Evaluation:
         ...               save_best=("acc", "max"))
     """
 
-    examples: Sequence[Any]
+    examples: Examples
     pred_fn: PredFn | None = None
     output_fn: Callable[[Any], Any] | None = None
     metric_fn: MetricFn | None = None

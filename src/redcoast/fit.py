@@ -37,12 +37,12 @@ from .checkpoint import (
     save_checkpoint,
     step_checkpoint_path,
 )
-from .data import Batch, CollateFn, barrier, batches, check_positive, global_batch_size
+from .data import Batch, CollateFn, Examples, barrier, batches, check_positive, global_batch_size
 from .evaluate import Evaluation, check_examples, inference, scalar_metrics
 from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
 from .loop import Hook, LoopState, always, run_loop
 from .mesh import make_mesh, mesh_shape
-from .place import model_mesh, own_copy, place, replicate_strays
+from .place import model_mesh, own_copy, place, release, replicate_strays
 from .precision import cast, check_precision, param_dtype
 from .step import LossFn, PredFn, donating_jit, jit_eval_first, predict_step, train_step
 
@@ -100,7 +100,7 @@ class Checkpointing:
 
 def predict(
     model: PyTree,
-    examples: Sequence[Any],
+    examples: Examples,
     *,
     collate_fn: CollateFn,
     pred_fn: PredFn,
@@ -533,7 +533,7 @@ def _check_options(
 
 
 def _epochs(
-    train_examples: Sequence[Any] | Callable[[int], Sequence[Any]],
+    train_examples: Examples | Callable[[int], Examples],
     *,
     collate_fn: CollateFn,
     mesh: Mesh,
@@ -542,7 +542,7 @@ def _epochs(
 ) -> tuple[Batch, Callable[[int, int], tuple[Iterator[Batch], int]]]:
     """The first batch (collated once, to trace `loss_fn`), and `(epoch, start) -> batches`."""
 
-    def examples_of(epoch: int) -> Sequence[Any]:
+    def examples_of(epoch: int) -> Examples:
         examples = train_examples(epoch) if callable(train_examples) else train_examples
         examples = check_examples(examples, f"train_examples (epoch {epoch})")
         if len(examples) < size:
@@ -584,7 +584,7 @@ def _total_steps(
 def fit(
     model: PyTree,
     optimizer: optax.GradientTransformation,
-    train_examples: Sequence[Any] | Callable[[int], Sequence[Any]],
+    train_examples: Examples | Callable[[int], Examples],
     *,
     collate_fn: CollateFn,
     loss_fn: LossFn,
@@ -605,6 +605,7 @@ def fit(
     log_every: int = 10,
     on_nonfinite: Literal["raise", "skip"] = "raise",
     opt_state: PyTree | None = None,
+    donate: bool = False,
     schedule: Callable[[Any], Any] | None = None,
     fsdp: bool = False,
     precision: str = "fp32",
@@ -617,10 +618,12 @@ def fit(
     (`train_step`). Step `s` (counting from 0) uses the key `fold_in(key(seed), s)`.
     A last partial batch of an epoch is dropped.
 
-    `fit` never invalidates arrays it was given: the step donates its inputs, so
-    arrays of `model` or `opt_state` that it would donate as they are are copied
-    first; `model` stays usable after `fit` (for another `fit`, or to evaluate the
-    starting point).
+    The step donates its inputs. By default `fit` never invalidates arrays it was
+    given: those of `model` or `opt_state` it would donate as they are are copied
+    first, so `model` stays usable after `fit` (for another `fit`, or to evaluate the
+    starting point) at the cost of one more copy of the parameters for the run.
+    `donate=True` hands them over instead: no copy is made and the arrays given
+    are deleted, so the run holds one copy of the model, as `rc.plan` counts.
 
     A `workdir` belongs to one run. There, `metrics.jsonl` gets the logged records,
     `eval/step_XXXXXXXX.json` each evaluation's metrics and outputs, and `ckpts/`
@@ -671,6 +674,9 @@ def fit(
             checkpoint of it is written; `"skip"` leaves the model and optimizer
             state unchanged on such steps and counts them in `skipped`.
         opt_state: an optimizer state to continue from; `optimizer.init` otherwise.
+        donate: hand `model` (and `opt_state`) over: their arrays are used in place,
+            or deleted once placed elsewhere, never copied; use `FitResult.model`
+            afterwards. For a model that fills the devices, e.g. from `sharded_init`.
         schedule: `count -> lr`, to log the learning rate.
         fsdp: when `fit` places the model, split its weights over the data axis as
             well (ZeRO-3: parameters, gradients and optimizer state divided by every
@@ -715,11 +721,14 @@ def fit(
     history: dict[str, Any] = {"train": [], "eval": []}
     if resume:
         state, history = _resume(run, state)
-    # The step donates what it is given; never the caller's own buffers.
+    # The step donates what it is given: the caller's own buffers only when handed over.
     given = (model, opt_state)
-    state = dataclasses.replace(
-        state, model=own_copy(state.model, given), opt_state=own_copy(state.opt_state, given)
-    )
+    if donate:
+        release(given, keep=(state.model, state.opt_state))
+    else:
+        state = dataclasses.replace(
+            state, model=own_copy(state.model, given), opt_state=own_copy(state.opt_state, given)
+        )
     core = train_step(
         loss_fn,
         optimizer,

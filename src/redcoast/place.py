@@ -205,3 +205,21 @@ def own_copy(tree: PyTree, given: PyTree) -> PyTree:
         return jnp.copy(x) if eqx.is_array(x) and _buffers(x) & theirs else x
 
     return jax.tree.map(one, tree)
+
+
+def release(given: PyTree, *, keep: PyTree) -> None:
+    """Delete the arrays of `given` that share no device buffer with `keep`'s.
+
+    What a caller hands over (`fit(..., donate=True)`) and was placed elsewhere
+    would otherwise stay alive as long as the caller's variable does.
+
+    Args:
+        given: what the caller passed in.
+        keep: what is in use now, and must stay valid.
+    """
+    kept: set[int] = set()
+    for x in _array_leaves(keep):
+        kept |= _buffers(x)
+    for x in _array_leaves(given):
+        if isinstance(x, jax.Array) and not x.is_deleted() and not _buffers(x) & kept:
+            x.delete()

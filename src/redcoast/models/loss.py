@@ -1,0 +1,75 @@
+"""The causal language-modelling loss, with a mask of the tokens it counts.
+
+Rows come as `rc.text.packed` / `rc.text.padded` make them: `input_ids` and a
+`loss_mask` marking the tokens whose prediction counts (a completion, not its
+prompt or padding). Token `t` is predicted from the tokens before it, so the loss
+at `t` is counted when `loss_mask[t]` is true.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+ArrayLike = Array | np.ndarray
+
+
+def next_token_nll(
+    model: Callable[[Int[Array, " seq"]], Float[Array, "seq vocab"]],
+    input_ids: Int[ArrayLike, "batch seq"],
+    loss_mask: Bool[ArrayLike, "batch seq"] | None = None,
+) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
+    """Each row's summed next-token negative log-likelihood, and how many tokens it counts.
+
+    Args:
+        model: a decoder called on one sequence of ids, returning `(seq, vocab)` logits
+            (the zoo's `GPT2`, `Llama`, `OPT`, `GPTJ`, or a model of one's own).
+        input_ids: the rows.
+        loss_mask: which tokens count as targets; all but the first of each row when
+            omitted.
+
+    Returns:
+        `(nll, count)`, each `(batch,)` and float32: perplexity over rows is
+        `exp(nll.sum() / count.sum())`.
+
+    Example:
+        >>> nll, n = next_token_nll(model, batch["input_ids"], batch["loss_mask"])
+    """
+    ids = jnp.asarray(input_ids)
+    logits = jax.vmap(model)(ids[:, :-1])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+    weight = (
+        jnp.ones(nll.shape, jnp.float32)
+        if loss_mask is None
+        else jnp.asarray(loss_mask)[:, 1:].astype(jnp.float32)
+    )
+    return (nll * weight).sum(-1), weight.sum(-1)
+
+
+def lm_loss(
+    model: Callable[[Int[Array, " seq"]], Float[Array, "seq vocab"]],
+    batch: Mapping[str, Any],
+    key: PRNGKeyArray | None = None,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """The mean next-token cross-entropy over the counted tokens of a batch: a `loss_fn`.
+
+    Args:
+        model: as for `next_token_nll`.
+        batch: `{"input_ids": (batch, seq)}` and optionally `"loss_mask"` (`rc.text.collate`
+            of `rc.text` rows).
+        key: unused (the zoo's decoders have no dropout); there for `fit`'s signature.
+
+    Returns:
+        `(loss, {"tokens": the number of tokens counted})`.
+
+    Example:
+        >>> rc.fit(model, opt, rows, collate_fn=rc.text.collate, loss_fn=rc.models.lm_loss, ...)
+    """
+    del key
+    nll, count = next_token_nll(model, batch["input_ids"], batch.get("loss_mask"))
+    total = count.sum()
+    return nll.sum() / jnp.maximum(total, 1.0), {"tokens": total}

@@ -1,0 +1,204 @@
+"""`tokenize_instructions`: prompt/completion and chat records, with the loss's mask."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ._sources import Source, describe_keys, json_line, list_files, progress_bar, signature
+from ._token_file import TokenFile, Writer, check_target, is_lead, on_lead, reusable
+from ._tokenizer import Tokenizer, load_tokenizer
+
+
+def _records(source: Any, text_errors: str) -> tuple[list[Path] | None, Iterator[Any]]:
+    files = list_files(source, "**/*.jsonl")
+    if files is None:
+        if isinstance(source, str | bytes | Mapping) or not isinstance(source, Iterable):
+            raise TypeError(
+                "source must be a .jsonl file, a folder of them, a list of Paths or an "
+                f"iterable of dicts; got {type(source).__name__}."
+            )
+        return None, ((r, (-1, -1), f"record #{i}") for i, r in enumerate(source))
+
+    def read() -> Iterator[Any]:
+        assert files is not None
+        for i, path in enumerate(files):
+            with open(path, "rb") as f:
+                for line_no, line in enumerate(f, 1):
+                    if line.strip():
+                        yield (
+                            json_line(line, path, line_no, text_errors),
+                            (i, line_no),
+                            (f"{path}:{line_no}"),
+                        )
+
+    return files, read()
+
+
+def _chat_ids(tok: Tokenizer, messages: Any, where: str) -> tuple[list[int], list[bool]]:
+    """A conversation through the chat template; the loss counts the assistant's turns.
+
+    Each assistant turn's tokens are found as the difference between the rendered
+    conversation up to that turn and the one before it with the generation prompt.
+    """
+    hf = tok.hf
+    if hf is None or not getattr(hf, "chat_template", None):
+        raise ValueError(
+            f"{where} holds chat messages, but the tokenizer {tok.name} has no chat template; "
+            "use prompt/completion records, or a tokenizer with a chat_template."
+        )
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in messages
+    ):
+        raise ValueError(
+            f"{where}: messages must be a list of {{'role': ..., 'content': str}} dicts."
+        )
+
+    def render(ms: list[Any], generation_prompt: bool = False) -> list[int]:
+        return list(
+            hf.apply_chat_template(
+                ms, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
+            )
+        )
+
+    ids = render(messages)
+    mask = [False] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, upto = render(messages[:i], True), render(messages[: i + 1])
+        if ids[: len(upto)] != upto or upto[: len(before)] != before:
+            raise ValueError(
+                f"{where}: the tokenizer's chat template does not render a conversation as "
+                "the extension of its prefixes, so the assistant's tokens cannot be found."
+            )
+        mask[len(before) : len(upto)] = [True] * (len(upto) - len(before))
+    if not any(mask):
+        raise ValueError(f"{where} has no assistant message: nothing for the loss to count.")
+    return ids, mask
+
+
+def tokenize_instructions(
+    source: Source,
+    tokenizer: Any,
+    path: str | os.PathLike[str],
+    *,
+    prompt_key: str = "prompt",
+    completion_key: str = "completion",
+    messages_key: str = "messages",
+    errors: str = "strict",
+    eos_id: int | None = None,
+    progress: bool = True,
+) -> TokenFile:
+    """Tokenize instruction records into a token folder whose mask marks the completions.
+
+    A record is `{"prompt": str, "completion": str}` (the tokenizer's prefix and the
+    prompt, uncounted; the completion and EOS, counted) or `{"messages": [{"role":
+    ..., "content": ...}, ...]}` rendered by the tokenizer's chat template (the
+    assistant turns counted). Rows made with `padded` hold one record each; with
+    `packed`, records follow one another.
+
+    Args:
+        source: a `.jsonl` file, a folder of them, a list of `Path`s, or an iterable
+            of dicts.
+        tokenizer: a checkpoint folder, a `tokenizer.json`, or a tokenizer object.
+        path: the token folder to write.
+        prompt_key, completion_key, messages_key: the records' field names.
+        errors: `"strict"` or `"replace"` for undecodable bytes.
+        eos_id: the id ending a completion; default: the tokenizer's EOS.
+        progress: show a progress bar (records).
+
+    Returns:
+        The `TokenFile`, with `mask`.
+
+    Raises:
+        ValueError: a record without the fields (naming the file and line and the
+            fields it has), chat messages without a chat template, an empty source.
+
+    Example:
+        >>> data = rc.text.tokenize_instructions("train.jsonl", "checkpoints/llama", "cache/sft")
+        >>> rows = rc.text.padded(data, 512)
+    """
+    tok = load_tokenizer(tokenizer, eos_id=eos_id)
+    out = Path(path)
+    files, records = _records(source, errors)
+    keys = {"prompt": prompt_key, "completion": completion_key, "messages": messages_key}
+    template = getattr(tok.hf, "chat_template", None) or ""
+    meta = {
+        "kind": "instructions",
+        "tokenizer": tok.fingerprint(template if isinstance(template, str) else ""),
+        "tokenizer_name": tok.name,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id,
+        "files": [str(f) for f in files or []],
+        "sources": signature(files, source),
+        "options": {**keys, "errors": errors},
+    }
+
+    def make() -> TokenFile:
+        found = reusable(out, meta)
+        if found is not None:
+            return found
+        check_target(out)
+        writer = Writer(out, tok, mask=True, meta=meta)
+        bar = progress_bar(None, progress and is_lead(), "instructions")
+        try:
+            with bar if bar is not None else contextlib.nullcontext():
+                task = None if bar is None else bar.add_task("", total=None)
+                for chunk in _batched(records, 1024):
+                    for ids, mask, origin in _encode_records(tok, chunk, keys):
+                        writer.add(ids, origin, mask)
+                    if bar is not None:
+                        bar.advance(task, len(chunk))  # type: ignore[arg-type]
+            return writer.finish(str(source)[:60])
+        except BaseException:
+            writer.abort()
+            raise
+
+    return on_lead(make, out)
+
+
+def _batched(it: Iterator[Any], n: int) -> Iterator[list[Any]]:
+    while chunk := list(itertools.islice(it, n)):
+        yield chunk
+
+
+def _encode_records(
+    tok: Tokenizer, chunk: list[Any], keys: Mapping[str, str]
+) -> Iterator[tuple[list[int], list[bool], tuple[int, int]]]:
+    """Ids and loss masks of a chunk of records; prompts and completions encoded in one batch."""
+    pairs, texts = [], []
+    for record, origin, where in chunk:
+        if isinstance(record, dict) and keys["messages"] in record:
+            pairs.append((origin, where, None))
+            continue
+        fields = [
+            record.get(keys[k]) if isinstance(record, dict) else None
+            for k in ("prompt", "completion")
+        ]
+        if not all(isinstance(f, str) for f in fields):
+            raise ValueError(
+                f"{where} needs string fields {keys['prompt']!r} and {keys['completion']!r} "
+                f"(or a {keys['messages']!r} list); it has {describe_keys(record)}. Name other "
+                "fields with prompt_key=, completion_key=, messages_key=."
+            )
+        pairs.append((origin, where, len(texts)))
+        texts += fields
+    encoded = tok.encode(texts) if texts else []
+    prefix = tok.prefix
+    eos = [] if tok.eos_id is None else [tok.eos_id]
+    for (record, _, _), (origin, where, at) in zip(chunk, pairs, strict=True):
+        if at is None:
+            ids, mask = _chat_ids(tok, record[keys["messages"]], where)
+        else:
+            prompt, completion = prefix + encoded[at], encoded[at + 1] + eos
+            if len(completion) == len(eos):
+                raise ValueError(f"{where} has an empty completion: nothing for the loss to count.")
+            ids = prompt + completion
+            mask = [False] * len(prompt) + [True] * len(completion)
+        yield ids, mask, origin
