@@ -29,6 +29,7 @@ BARS = {
     "classification": ("test_accuracy", "min", 0.97, None),
     "dp_sgd": ("test_accuracy", "min", 0.90, None),
     "fedavg": ("test_accuracy", "min", 0.93, None),
+    "finetune": ("ratio", "max", 0.7, None),
     "language_modeling": ("below_unigram", "min", 0.30, 300.0),
     "maml": ("mse_after_1_step", "max", 0.30, None),
     "ppo": ("mean_return", "min", 450.0, None),

@@ -1,11 +1,19 @@
 """Every example runs a few steps through `redcoast run` (the full runs: `nox -s examples`)."""
 
 import json
+import sysconfig
+from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import redcoast as rc
 from redcoast.cli import main
+from redcoast.models import GPT2, GPT2Config
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 # Options small enough for a smoke run of each example on 8 simulated CPU devices.
 SMOKE = {
@@ -61,4 +69,59 @@ def test_demo_prints_the_plan_a_sample_and_metrics(tmp_path):
 def test_every_example_has_a_smoke_test():
     listing = CliRunner().invoke(main, ["run", "--help"]).output
     names = listing.split("Examples:")[1].split()
-    assert set(SMOKE) | {"language_modeling"} <= set(names)
+    assert set(SMOKE) | {"language_modeling", "finetune"} <= set(names)
+
+
+def _checkpoint(folder):
+    """A tiny GPT-2 checkpoint with a BPE tokenizer trained on Python's documentation."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=alphabet
+    )
+    tok.train_from_iterator([topics[k] for k in sorted(topics)][:100], trainer)
+    config = GPT2Config(vocab_size=400, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    GPT2(config, key=jax.random.key(0)).to_hf(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["text", "jsonl"])
+def test_finetune_hands_back_a_folder_transformers_generates_from(data, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    base = _checkpoint(tmp_path / "base")
+    if data == "text":
+        source = tmp_path / "corpus"
+        source.mkdir()
+        for name in ("json/decoder.py", "json/encoder.py", "csv.py"):
+            (source / name.replace("/", "_")).write_text((STDLIB / name).read_text())
+    else:
+        source = tmp_path / "sft.jsonl"
+        records = [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(200)]
+        source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out, metrics = tmp_path / "out", tmp_path / "metrics.json"
+    args = ["run", "finetune", "--model", str(base), "--data", str(source), "--seq-len", "32"]
+    args += ["--max-steps", "3", "--eval-rows", "16", "--per-device-batch-size", "2"]
+    args += ["--output", str(out), "--metrics-json", str(metrics)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "held-out perplexity" in result.output and "sample:" in result.output
+    found = json.loads(metrics.read_text())
+    assert set(found) == {"perplexity_before", "perplexity_after", "ratio"}
+    assert found["perplexity_after"] < found["perplexity_before"]
+    # transformers opens what it wrote, and generates what redcoast generates.
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("def f(x):", return_tensors="pt").input_ids
+    theirs = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
+    ours = rc.models.generate(rc.models.from_hf(out), ids.numpy(), max_new_tokens=8)
+    np.testing.assert_array_equal(np.asarray(ours[0]), theirs.numpy())

@@ -204,6 +204,19 @@ def test_from_hf_onto_a_mesh_and_generate_under_predict(tmp_path: Path) -> None:
         assert a.sharding == b.sharding == NamedSharding(mesh, spec)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
 
+    # fsdp=True reads each weight straight into its shard of the FSDP layout.
+    fsdp_specs = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(IDS), fsdp=2)
+    split = rc.models.Llama.from_hf(tmp_path, mesh=mesh, scan_layers=True, fsdp=True)
+    for a, w, spec in zip(
+        jax.tree_util.tree_leaves(eqx.filter(split, eqx.is_array)),
+        jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)),
+        spec_leaves(fsdp_specs),
+        strict=True,
+    ):
+        assert a.sharding == NamedSharding(mesh, spec)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+    assert any("data" in str(s) for s in spec_leaves(fsdp_specs))
+
     lengths = np.array([8, 5, 3, 8, 6, 7], np.int32)
     examples = [{"ids": np.asarray(IDS[i, :8]), "length": lengths[i]} for i in range(6)]
 

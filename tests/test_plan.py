@@ -137,6 +137,9 @@ def test_cli_plans_and_reports(tmp_path: Path) -> None:
     assert "peak:" in result.output and "fits" in result.output
     figures = json.loads(out.read_text())
     assert figures["fits"] is True and figures["layout"]["n_model_shards"] == 2
+    # fit without donate=True keeps the caller's model valid: one more copy of the parameters.
+    assert figures["peak_keeping_model"] == figures["peak"] + figures["params"]
+    assert "without it fit keeps the model given valid" in result.output
     bad = CliRunner().invoke(main, ["plan", "resnet"])
     assert bad.exit_code != 0 and "unknown model 'resnet'" in bad.output
     assert "Traceback" not in bad.output

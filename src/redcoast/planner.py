@@ -110,7 +110,8 @@ class MemoryPlan:
         gradients: bytes of gradients per device (one copy of the parameters in the
             master dtype, split as they are; part of `temporaries`).
         temporaries: XLA's temporary bytes (gradients, activations, workspace).
-        peak: arguments + temporaries + outputs that do not reuse donated inputs.
+        peak: arguments + temporaries + outputs that do not reuse donated inputs: the
+            step as `fit(..., donate=True)` runs it (see `peak_keeping_model`).
         device_memory: the budget, or `None`.
         max_batch: the largest per-device batch that fits, when asked and known.
         compile_seconds: time to compile the step.
@@ -140,12 +141,24 @@ class MemoryPlan:
         """Whether the peak is within `device_memory` (`None` without a budget)."""
         return None if self.device_memory is None else self.peak <= self.device_memory
 
+    @property
+    def peak_keeping_model(self) -> int:
+        """The peak of `rc.fit` without `donate=True`, which keeps the model it was
+        given valid: one more copy of the parameters beside the step's `peak`."""
+        return self.peak + self.params
+
+    def _verdict(self, peak: int) -> str:
+        if self.device_memory is None:
+            return ""
+        return ", fits" if peak <= self.device_memory else ", does not fit"
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dictionary of every figure."""
         out = dataclasses.asdict(self)
         out["layout"] = dataclasses.asdict(self.layout)
         out["activations"] = self.activations
         out["fits"] = self.fits
+        out["peak_keeping_model"] = self.peak_keeping_model
         return out
 
     def __str__(self) -> str:
@@ -159,6 +172,9 @@ class MemoryPlan:
             f"{fmt_bytes(self.opt_state)}, gradients {fmt_bytes(self.gradients)}, "
             f"activations and workspace {fmt_bytes(self.activations)}",
             f"peak: {fmt_bytes(self.peak)}{budget}" + (f": {verdict}" if verdict else ""),
+            f"rc.fit hands the model over with donate=True and runs at this peak; without it "
+            f"fit keeps the model given valid: {fmt_bytes(self.peak_keeping_model)}"
+            + self._verdict(self.peak_keeping_model),
         ]
         if self.max_batch is not None:
             lines.append(f"largest per-device batch that fits: {self.max_batch}")

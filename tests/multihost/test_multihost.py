@@ -157,3 +157,24 @@ def test_a_checkpoint_from_two_processes_loads_in_one(
     np.testing.assert_allclose(
         np.load(loaded / "preds0.npy"), np.load(runs["2x4"] / "preds0.npy"), rtol=1e-5, atol=1e-6
     )
+
+
+def test_two_processes_read_disjoint_rows_of_one_token_folder(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "token_rows.py"
+    command = [sys.executable, "-m", "redcoast", "launch", "--nprocs", "2"]
+    command += ["--devices-per-proc", "4", "--port", str(free_port()), "--"]
+    command += [sys.executable, str(script), "--out", str(tmp_path)]
+    _run(command, dict(os.environ), tmp_path / "launch.log")
+    first, second = _reports(tmp_path)
+    assert first["n_tokens"] == second["n_tokens"] > 0  # one folder, written by process 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "launch.log",
+        "rank0.json",
+        "rank1.json",
+        "tokens",
+    ]
+    # 3 steps of 8 rows, each row read by the one process whose devices hold it.
+    assert not set(first["read"]) & set(second["read"])
+    assert len(set(first["read"]) | set(second["read"])) == 24
+    np.testing.assert_allclose(first["losses"], second["losses"], rtol=0)
+    assert first["losses"][-1] < first["losses"][0]

@@ -27,6 +27,7 @@ def from_hf(
     *,
     mesh: Mesh | None = None,
     specs: PyTree | None = None,
+    fsdp: bool = False,
     dtype: DTypeLike | None = None,
     scan_layers: bool = False,
     vocab_multiple: int = 1,
@@ -39,6 +40,7 @@ def from_hf(
         path: the folder (config.json + safetensors).
         mesh: place each array on this mesh as it is read (see `HFModel.from_hf`).
         specs: the `PartitionSpec` tree; derived with the sharding rules when omitted.
+        fsdp: with derived specs, split the weights over the data axis too (ZeRO-3).
         dtype: cast floating arrays to this dtype (e.g. `jnp.bfloat16`); default: as stored.
         scan_layers: stack the layers and run them with `lax.scan`.
         vocab_multiple: pad the vocabulary to a multiple of this (`128 * n_model_shards`
@@ -67,6 +69,7 @@ def from_hf(
         folder,
         mesh=mesh,
         specs=specs,
+        fsdp=fsdp,
         dtype=dtype,
         scan_layers=scan_layers,
         vocab_multiple=vocab_multiple,

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ..data import to_host
-from ..mesh import MODEL
+from ..mesh import DATA, MODEL
 from ..sharding import ShardingPlan, _check_spec, path_str, sharding_rules
 
 SAFETENSORS = "model.safetensors"
@@ -355,13 +355,18 @@ def _sources(
 
 
 def _shardings(
-    cls: Any, skeleton: PyTree, mesh: Mesh, specs: PyTree | None
+    cls: Any, skeleton: PyTree, mesh: Mesh, specs: PyTree | None, fsdp: bool
 ) -> dict[str, NamedSharding]:
     """Our leaf path -> where it goes; specs are derived by the rules when not given."""
     if isinstance(specs, ShardingPlan):
         specs = specs.specs
     if specs is None:
-        specs = sharding_rules(skeleton, int(mesh.shape[MODEL]), example_call=cls.trace_call)
+        specs = sharding_rules(
+            skeleton,
+            int(mesh.shape[MODEL]),
+            example_call=cls.trace_call,
+            fsdp=int(mesh.shape[DATA]) if fsdp else 1,
+        )
     shapes = {
         path_str(p): tuple(s.shape)
         for p, s in jax.tree_util.tree_flatten_with_path(skeleton)[0]
@@ -400,6 +405,7 @@ class HFModel(eqx.Module):
         *,
         mesh: Mesh | None = None,
         specs: PyTree | None = None,
+        fsdp: bool = False,
         dtype: DTypeLike | None = None,
         scan_layers: bool = False,
         vocab_multiple: int = 1,
@@ -420,6 +426,8 @@ class HFModel(eqx.Module):
             specs: a `PartitionSpec` tree (or `ShardingPlan`) for this model, built
                 with the same `scan_layers`; when a mesh is given without specs, the
                 sharding rules derive them from an abstract trace.
+            fsdp: with the derived specs, split the weights over the data axis too
+                (`rc.sharding_plan`'s `fsdp`): each device reads only its shard.
             dtype: cast floating arrays to this dtype; default: as stored.
             scan_layers: stack the layers' arrays and run them with `lax.scan`.
             vocab_multiple: pad the token table and head with rows up to a multiple of
@@ -444,6 +452,7 @@ class HFModel(eqx.Module):
             path,
             mesh=mesh,
             specs=specs,
+            fsdp=fsdp,
             dtype=dtype,
             scan_layers=scan_layers,
             vocab_multiple=vocab_multiple,
@@ -472,6 +481,7 @@ def load(
     *,
     mesh: Mesh | None = None,
     specs: PyTree | None = None,
+    fsdp: bool = False,
     dtype: DTypeLike | None = None,
     scan_layers: bool = False,
     vocab_multiple: int = 1,
@@ -491,7 +501,7 @@ def load(
     layers = {m.stack: _layer_count(skeleton, m.stack) for m in maps if m.per_layer}
     sources = _sources(maps, layers)
     checkpoint = _Checkpoint(folder, cls.hf_base_prefix)
-    shardings = {} if mesh is None else _shardings(cls, skeleton, mesh, specs)
+    shardings = {} if mesh is None else _shardings(cls, skeleton, mesh, specs, fsdp)
 
     leaves = []
     for kp, leaf in flat:
