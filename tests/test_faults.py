@@ -4,13 +4,16 @@ Checkpoints: a save or a checkpoint is damaged (kill -9 at several points of a r
 save in a subprocess, disk full, no permission, flipped bytes, truncation, bad
 headers and dtypes) and the last good checkpoint still loads. The loop: the
 caller's arrays stay valid, a workdir holds one run, non-finite gradients and
-updates never reach a checkpoint, signals and hooks stop a run cleanly.
+updates never reach a checkpoint, signals and hooks stop a run cleanly. Models,
+configs and `redcoast plan`: wrong values, files and ids are errors naming the
+field, file or argument, never silent wrong results.
 """
 
 import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,11 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from click.testing import CliRunner
+from safetensors.numpy import load_file, save_file
 
 import redcoast as rc
 import redcoast.checkpoint as ckpt_module
+from redcoast import planner
 from redcoast.checkpoint import CheckpointError
 from redcoast.checkpoint import step_checkpoint_path as step_path
+from redcoast.cli import main as cli_main
+from redcoast.planner import parse_bytes
 
 
 def tree(step: int) -> dict[str, Any]:
@@ -589,3 +597,173 @@ def test_hooks_run_when_due_and_may_stop_the_run(tmp_path):
     assert rc.latest_checkpoint(tmp_path / "ckpts") == tmp_path / "ckpts" / "step_00000002"
     with pytest.raises(ValueError, match="every: n must be a positive int"):
         rc.every(0, print)
+
+
+# ============================================================================= models and configs
+
+GPT2_CONFIG = rc.models.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2 saved as transformers saves it."""
+    folder = tmp_path_factory.mktemp("gpt2")
+    rc.models.GPT2(GPT2_CONFIG, key=jax.random.key(0)).to_hf(folder)
+    return folder
+
+
+def _copy_with_config(src: Path, dst: Path, **changes: Any) -> Path:
+    shutil.copytree(src, dst)
+    values = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**values, **changes}))
+    return dst
+
+
+BAD_CONFIGS = [
+    ({"n_layer": "2"}, TypeError, r"GPT2Config: n_layer must be an int, got '2' \(str\)"),
+    ({"n_head": 4.0}, TypeError, r"GPT2Config: n_head must be an int, got 4\.0"),
+    ({"n_head": 0}, ValueError, r"GPT2Config: n_head must be at least 1, got 0"),
+    ({"n_layer": 0}, ValueError, r"GPT2Config: n_layer must be at least 1, got 0"),
+    ({"n_head": 3}, ValueError, r"n_embd=32 is not a multiple of n_head=3 .*1, 2, 4, 8, 16, 32"),
+    ({"layer_norm_epsilon": "1e-5"}, TypeError, r"layer_norm_epsilon must be a number"),
+    ({"tie_word_embeddings": 1}, TypeError, r"tie_word_embeddings must be true or false"),
+]
+
+
+def _as_users_run_it(cls: type, **values: Any) -> Any:
+    """`cls(**values)` without the test-time type checker (jaxtyping + beartype) that wraps
+    `__init__` here, so redcoast's own checks answer, as in a user's program."""
+    config = object.__new__(cls)
+    getattr(cls.__init__, "__wrapped__", cls.__init__)(config, **values)
+    return config
+
+
+@pytest.mark.parametrize(("change", "kind", "message"), BAD_CONFIGS)
+def test_config_values_of_the_wrong_type_or_zero_name_the_field(
+    gpt2_folder: Path, tmp_path: Path, change: dict[str, Any], kind: type, message: str
+) -> None:
+    ((field, value),) = change.items()
+    folder = _copy_with_config(gpt2_folder, tmp_path / "m", **change)
+    # Here the test-time type checker may answer first, naming the field as well.
+    either = message if kind is ValueError else rf"(?s){field}.*{re.escape(repr(value))}"
+    with pytest.raises(kind, match=either):
+        rc.models.from_hf(folder)
+    with pytest.raises(kind, match=message):
+        _as_users_run_it(rc.models.GPT2Config, **{**dataclasses.asdict(GPT2_CONFIG), **change})
+    # redcoast plan reads the same config.json, and says so before compiling.
+    result = CliRunner().invoke(cli_main, ["plan", str(folder / "config.json")])
+    assert result.exit_code != 0 and re.search(either, result.output), result.output
+    assert "Traceback" not in result.output
+
+
+def test_heads_that_do_not_divide_are_refused_in_every_architecture() -> None:
+    with pytest.raises(ValueError, match=r"OPTConfig: hidden_size=32 is not a multiple of"):
+        rc.models.OPTConfig(hidden_size=32, num_attention_heads=3)
+    with pytest.raises(ValueError, match=r"BARTConfig: d_model=32 .* decoder_attention_heads=5"):
+        rc.models.BARTConfig(d_model=32, encoder_attention_heads=4, decoder_attention_heads=5)
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 .* num_key_value_heads=3"):
+        rc.models.LlamaConfig(num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"T5Config: num_layers must be at least 1"):
+        rc.models.T5Config(num_layers=0)
+    # T5's heads have d_kv features each: any count is fine.
+    assert rc.models.T5Config(d_model=32, num_heads=3).num_heads == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"model_type": "gpt2",\n  "n_layer": 2,,}', r"config\.json is not valid JSON: .* line 2"),
+        ('[{"model_type": "gpt2"}]', r"config\.json holds a JSON list, not the object"),
+    ],
+    ids=["malformed", "list"],
+)
+def test_a_malformed_config_json_names_the_file(
+    gpt2_folder: Path, tmp_path: Path, text: str, message: str
+) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(gpt2_folder, folder)
+    (folder / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(folder)) + ".*" + message):
+        rc.models.from_hf(folder)
+    result = CliRunner().invoke(cli_main, ["plan", str(folder / "config.json")])
+    assert (
+        result.exit_code != 0
+        and re.search(message, result.output)
+        and "Traceback" not in result.output
+    )
+
+
+def test_a_truncated_safetensors_file_names_the_file(gpt2_folder: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(gpt2_folder, folder)
+    file = folder / "model.safetensors"
+    for keep in (file.stat().st_size - 100, 5):  # the data cut, the header cut
+        file.write_bytes((gpt2_folder / "model.safetensors").read_bytes()[:keep])
+        with pytest.raises(
+            ValueError, match=rf"{re.escape(str(file))} is not a complete safetensors"
+        ):
+            rc.models.from_hf(folder)
+
+
+def test_an_integer_tensor_for_a_float_weight_names_the_tensor(
+    gpt2_folder: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(gpt2_folder, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["transformer.h.1.ln_2.weight"] = tensors["transformer.h.1.ln_2.weight"].astype(np.int32)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"'transformer\.h\.1\.ln_2\.weight' .* is int32, but GPT2's"
+    ):
+        rc.models.from_hf(folder)
+
+
+def test_generate_refuses_ids_that_would_wrap_and_empty_prompts() -> None:
+    model = rc.models.GPT2(GPT2_CONFIG, key=jax.random.key(0))
+    wrapped = np.array([[2**32 + 5, 1]])  # int64; JAX would make it 5, a valid id
+    with pytest.raises(ValueError, match=r"prompt_ids \(int64\) has values in \[1, 4294967301\]"):
+        rc.models.generate(model, wrapped, max_new_tokens=2)
+    ok = rc.models.generate(model, np.array([[5, 1]]), max_new_tokens=2)  # int64 in range
+    assert ok.shape == (1, 2)
+    with pytest.raises(ValueError, match=r"prompt_lengths \(int64\) has values"):
+        rc.models.generate(
+            model, np.array([[5, 1]]), max_new_tokens=2, prompt_lengths=np.array([2**32 + 1])
+        )
+    with pytest.raises(ValueError, match=r"prompt_ids has shape \(2, 0\): prompts of no tokens"):
+        rc.models.generate(model, np.zeros((2, 0), np.int32), max_new_tokens=2)
+    t5 = rc.models.T5(
+        rc.models.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4),
+        key=jax.random.key(0),
+    )
+    with pytest.raises(ValueError, match=r"input_ids \(int64\) has values in \[1, 4294967301\]"):
+        rc.models.generate_seq2seq(t5, wrapped, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask \(int64\) has values"):
+        rc.models.generate_seq2seq(t5, np.array([[5, 1]]), attention_mask=wrapped, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(2, 0\): sources of no tokens"):
+        rc.models.generate_seq2seq(t5, np.zeros((2, 0), np.int32), max_new_tokens=2)
+
+
+# ============================================================================= redcoast plan
+
+
+def test_plan_refuses_a_bare_number_of_bytes_and_an_unwritable_json_before_compiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match=r"device memory '40' has no unit; write 40GB, 40GiB"):
+        rc.plan("gpt2", devices=8, device_memory="40")
+    assert parse_bytes("40GB") == 40 * 10**9 and parse_bytes("40B") == 40
+    assert parse_bytes(40) == 40  # an int is bytes already, in Python
+
+    def compile_nothing(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("planned (compiled) before checking the options")
+
+    monkeypatch.setattr(planner, "plan", compile_nothing)
+    for target, message in [
+        (tmp_path, r"is a folder; name a file in it"),
+        (tmp_path / "missing" / "plan.json", r"folder .*missing does not exist"),
+    ]:
+        result = CliRunner().invoke(cli_main, ["plan", "gpt2", "--json", str(target)])
+        assert result.exit_code == 2 and re.search(message, " ".join(result.output.split()))
+        assert "--json" in result.output
+    assert not (tmp_path / "missing").exists()
