@@ -4,9 +4,10 @@ Checkpoints: a save or a checkpoint is damaged (kill -9 at several points of a r
 save in a subprocess, disk full, no permission, flipped bytes, truncation, bad
 headers and dtypes) and the last good checkpoint still loads. The loop: the
 caller's arrays stay valid, a workdir holds one run, non-finite gradients and
-updates never reach a checkpoint, signals and hooks stop a run cleanly. Models,
-configs and `redcoast plan`: wrong values, files and ids are errors naming the
-field, file or argument, never silent wrong results.
+updates never reach a checkpoint, signals and hooks stop a run cleanly, a torn log
+line or other data never spoil a resume. Models, configs and `redcoast plan`:
+wrong values, files and ids are errors naming the field, file or argument, never
+silent wrong results.
 """
 
 import dataclasses
@@ -40,6 +41,7 @@ from redcoast import planner
 from redcoast.checkpoint import CheckpointError
 from redcoast.checkpoint import step_checkpoint_path as step_path
 from redcoast.cli import main as cli_main
+from redcoast.data import order_fingerprint
 from redcoast.planner import parse_bytes
 
 
@@ -396,6 +398,14 @@ def _arrays(tree):
 FIT = dict(collate_fn=_collate, loss_fn=_loss, per_device_batch_size=1, progress=False)
 
 
+def _train(workdir: Path | None, steps: int, *, n: int = 64, init: int = 0, **kw: Any) -> Any:
+    """`fit` of the toy MLP (initialised from seed `init`) on `n` examples for `steps` steps;
+    `kw` overrides FIT's options."""
+    optimizer = kw.pop("optimizer", optax.adam(1e-2))
+    options = {**FIT, "max_steps": steps, "workdir": workdir, **kw}
+    return rc.fit(_mlp(init), optimizer, _toy(n), **options)
+
+
 # ----------------------------------------------------------------------------- the caller's arrays
 
 
@@ -597,6 +607,133 @@ def test_hooks_run_when_due_and_may_stop_the_run(tmp_path):
     assert rc.latest_checkpoint(tmp_path / "ckpts") == tmp_path / "ckpts" / "step_00000002"
     with pytest.raises(ValueError, match="every: n must be a positive int"):
         rc.every(0, print)
+
+
+# ============================================================================= the log, resumed
+
+
+def test_a_torn_last_line_of_metrics_jsonl_is_skipped_on_resume(tmp_path):
+    _train(tmp_path, 4, log_every=1, checkpointing=rc.Checkpointing(every=2))
+    log = tmp_path / "metrics.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 5, "epoch": 0, "loss": 0.6')  # power lost mid-write
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl: line 5 is not complete JSON"):
+        result = _train(tmp_path, 6, log_every=1, resume=True)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert log.read_text().startswith(whole)
+    assert [r["step"] for r in result.history["train"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_damaged_line_inside_metrics_jsonl_is_named(tmp_path):
+    _train(tmp_path, 4, log_every=1)
+    log = tmp_path / "metrics.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join([lines[0], "garbage\n", *lines[1:]]))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(log))}: line 2 of \d+ is not a JSON"):
+        _train(tmp_path, 6, resume=True)
+
+
+def test_jsonl_lines_go_out_whole_in_one_write(tmp_path, monkeypatch):
+    from redcoast import logging as rc_logging
+
+    writes: list[bytes] = []
+    real = os.write
+
+    def spy(fd: int, data: bytes) -> int:
+        writes.append(bytes(data))
+        return real(fd, data)
+
+    log = rc.jsonl_logger(tmp_path / "m.jsonl")
+    monkeypatch.setattr(rc_logging.os, "write", spy)
+    log({f"metric_{i}": float(i) for i in range(5000)}, 7)  # a line of ~90 kB
+    assert len(writes) == 1 and writes[0].endswith(b"\n")
+    assert json.loads(writes[0])["step"] == 7
+    monkeypatch.setattr(rc_logging.os, "write", lambda fd, data: real(fd, data[:10]))
+    with pytest.raises(OSError, match=r"wrote 10 of \d+ bytes.*m\.jsonl"):
+        log({"loss": 1.0}, 8)
+
+
+def test_aux_metrics_named_like_the_loops_own_are_refused_with_the_list():
+    for name in ("step", "epoch", "examples_per_s"):
+
+        def loss_fn(model, batch, key, name=name):
+            return _loss(model, batch, key), {name: jnp.float32(1.0)}
+
+        with pytest.raises(ValueError, match=rf"reserved name '{name}'.*Reserved: loss, grad_norm"):
+            _train(None, 1, loss_fn=loss_fn)
+
+
+# ============================================================================= the data, resumed
+
+
+def test_resuming_on_other_data_is_refused_naming_the_lengths(tmp_path):
+    _train(tmp_path, 3, checkpointing=rc.Checkpointing(every=3))
+    state_file = tmp_path / "ckpts" / "step_00000003" / "state.json"
+    loop = json.loads(state_file.read_text())["loop"]
+    assert loop["n_examples"] == 64
+    assert loop["order"] == order_fingerprint(64, seed=0, epoch=0)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    # 40 examples make 5 batches: the saved position would skip to the next epoch.
+    with pytest.raises(ValueError, match=r"epoch 0 had 64 training examples .* has 40"):
+        _train(tmp_path, 6, n=40, resume=True)
+    state = json.loads(state_file.read_text())
+    state["loop"]["order"] = "0123456789abcdef"  # what another NumPy's shuffle would give
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"order of its 64 examples .* is not the saved one"):
+        _train(tmp_path, 6, resume=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert _names(tmp_path / "ckpts") == ["step_00000003"]
+
+
+def test_resuming_with_another_optimizer_names_the_optimizer(tmp_path):
+    _train(tmp_path, 2)
+    with pytest.raises(
+        CheckpointError, match=r"optimizer arrays do not match `opt_state_like`"
+    ) as e:
+        _train(tmp_path, 4, resume=True, optimizer=optax.lion(1e-3))
+    assert "another optimizer" in str(e.value) and "architecture" not in str(e.value)
+
+
+def test_a_fractional_step_is_refused_not_rounded(tmp_path):
+    # The test-time type checker answers first; redcoast's own check is underneath it.
+    with pytest.raises(TypeError, match=r"(?s)'step'.*2\.5"):
+        rc.save_checkpoint(tmp_path / "c", model=tree(1), step=2.5)  # type: ignore[arg-type]
+    unchecked = getattr(rc.save_checkpoint, "__wrapped__", rc.save_checkpoint)
+    with pytest.raises(TypeError, match=r"step must be an int.*got 2\.5 \(float\)"):
+        unchecked(tmp_path / "c", model=tree(1), step=2.5)
+    with pytest.raises(ValueError, match=r"step must be >= 0, got -1"):
+        rc.save_checkpoint(tmp_path / "c", model=tree(1), step=-1)
+    assert not list(tmp_path.iterdir())
+
+
+# ============================================================================= batches and metrics
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype"),
+    [
+        (np.array(["a", "b"]), "<U1"),
+        (np.array(["2024-01-01", "2024-01-02"], "M8[D]"), "datetime64"),
+    ],
+    ids=["strings", "datetimes"],
+)
+def test_a_batch_of_strings_or_datetimes_names_the_key(values, dtype):
+    def collate(examples):
+        return {**_collate(examples), "when": np.resize(values, len(examples))}
+
+    with pytest.raises(ValueError, match=rf"returned arrays JAX cannot hold: \{{'when': '{dtype}"):
+        _train(None, 1, collate_fn=collate)
+
+
+def test_metric_fn_returning_text_names_the_metric():
+    evaluation = rc.Evaluation(
+        _toy(8),
+        pred_fn=lambda m, b, k: jax.vmap(m)(b["x"]).argmax(-1),
+        metric_fn=lambda examples, outputs: {"acc": 0.5, "verdict": "good"},
+    )
+    with pytest.raises(TypeError, match=r"metric_fn must return numbers; 'verdict' is 'good'"):
+        _train(None, 1, evaluation=evaluation)
 
 
 # ============================================================================= models and configs
