@@ -3,11 +3,11 @@
 Checkpoints: a save or a checkpoint is damaged (kill -9 at several points of a real
 save in a subprocess, disk full, no permission, flipped bytes, truncation, bad
 headers and dtypes) and the last good checkpoint still loads. The loop: the
-caller's arrays stay valid, a workdir holds one run, non-finite gradients and
-updates never reach a checkpoint, signals and hooks stop a run cleanly, a torn log
-line or other data never spoil a resume. Models, configs and `redcoast plan`:
-wrong values, files and ids are errors naming the field, file or argument, never
-silent wrong results.
+caller's arrays stay valid, a workdir holds one run and one live process, non-finite
+gradients and updates never reach a checkpoint, signals and hooks stop a run
+cleanly, a torn log line or other data never spoil a resume. Models, configs and
+`redcoast plan`: wrong values, files and ids are errors naming the field, file or
+argument, never silent wrong results.
 """
 
 import dataclasses
@@ -607,6 +607,168 @@ def test_hooks_run_when_due_and_may_stop_the_run(tmp_path):
     assert rc.latest_checkpoint(tmp_path / "ckpts") == tmp_path / "ckpts" / "step_00000002"
     with pytest.raises(ValueError, match="every: n must be a positive int"):
         rc.every(0, print)
+
+
+# ============================================================================= one run per workdir
+
+
+def _held_message(pid: int) -> str:
+    return rf"is in use by another live run: process {pid} on host {socket.gethostname()}"
+
+
+def test_a_workdir_held_by_a_live_fit_turns_a_second_fit_away(tmp_path):
+    refused: list[str] = []
+
+    def second_run(state):
+        # Another fit on the same workdir while this one trains, fresh and resuming.
+        for resume in (False, True):
+            with pytest.raises(rc.WorkdirInUseError, match=_held_message(os.getpid())) as err:
+                _train(tmp_path, 2, init=1, resume=resume)
+            refused.append(str(err.value))
+
+    at_3 = rc.Hook(second_run, when=lambda s: s.step == 3)
+    first = _train(tmp_path, 6, checkpointing=rc.Checkpointing(every=2), hooks=[at_3])
+    assert len(refused) == 2 and "(this very process)" in refused[0]
+    # The first run lost nothing: its checkpoints and log are its own.
+    assert first.step == 6
+    assert _names(tmp_path / "ckpts") == ["step_00000002", "step_00000004", "step_00000006"]
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == sorted(set(steps)) and max(steps) == 6
+    # The lock went with the run; its file is nobody's run files, nor a stale one a lock.
+    assert (tmp_path / ".redcoast.lock").is_file()
+    assert _train(tmp_path, 6, resume=True).step == 6
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / ".redcoast.lock").write_text('{"pid": 1, "host": "elsewhere"}')
+    assert _train(fresh, 1).step == 1
+
+
+def test_fit_that_raises_releases_its_workdir(tmp_path):
+    _train(tmp_path, 2)
+    with pytest.raises(ValueError, match=r"seed=0 .* this run has seed=1"):
+        _train(tmp_path, 4, resume=True, seed=1)
+    assert _train(tmp_path, 4, resume=True).step == 4
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from redcoast.workdir import hold_workdir
+    with hold_workdir(sys.argv[1]):
+        print("held", flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_a_killed_holder_leaves_its_workdir_free_at_once(tmp_path):
+    _train(tmp_path, 2)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        for resume in (False, True):
+            with pytest.raises(rc.WorkdirInUseError, match=_held_message(holder.pid)) as err:
+                _train(tmp_path, 4, resume=resume)
+            assert f"-c {tmp_path}" in str(err.value)  # the holder's command line
+    finally:
+        holder.kill()
+        holder.communicate(timeout=60)
+    assert holder.returncode == -signal.SIGKILL
+    # No stale lock: the kernel released it with the process.
+    assert _train(tmp_path, 4, resume=True).step == 4
+
+
+def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch):
+    def refuse(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr("redcoast.workdir.fcntl.flock", refuse)
+    with pytest.warns(UserWarning, match=r"does not support file locks .*cannot stop a second"):
+        result = _train(tmp_path, 2)
+    assert result.step == 2 and rc.latest_checkpoint(tmp_path / "ckpts") is not None
+
+
+WORKER = Path(__file__).parent / "scripts" / "train_resume.py"
+
+
+def _start(*args: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _pid(out: str) -> int:
+    return int(out.splitlines()[0].removeprefix("pid "))
+
+
+def _train_steps(workdir: Path) -> list[int]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def _checkpoints_load(workdir: Path) -> list[int]:
+    """The steps of the workdir's checkpoints, each loaded with its checksums verified."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from train_resume import DropoutMLP
+    finally:
+        sys.path.remove(str(WORKER.parent))
+    like = DropoutMLP(jax.random.key(1))
+    return [rc.load_checkpoint(p, like=like).step for p in sorted(workdir.glob("ckpts/step_*"))]
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_on_one_workdir(tmp_path):
+    workdir, ready = tmp_path / "run", tmp_path / "ready"
+    ready.mkdir()
+    runs = [_start(workdir, tmp_path / f"out{i}.npz", "--together", ready, 2) for i in (0, 1)]
+    done = [p.communicate(timeout=300) for p in runs]
+    assert sorted(p.returncode for p in runs) == [0, 1], done
+    won = next(i for i, p in enumerate(runs) if p.returncode == 0)
+    out, err = done[1 - won]
+    assert re.search(r"WorkdirInUseError: .*" + _held_message(_pid(done[won][0])), err), err
+    assert _pid(out) == runs[1 - won].pid
+    # The winner's run is whole: ten steps logged once each, its checkpoints verified.
+    assert _train_steps(workdir) == list(range(1, 11))
+    assert _checkpoints_load(workdir) == [8, 10]
+    assert int(np.load(tmp_path / f"out{won}.npz")["step"]) == 10
+    assert not (tmp_path / f"out{1 - won}.npz").exists()
+
+
+@pytest.mark.slow
+def test_resuming_a_workdir_whose_run_still_trains_waits_for_its_end(tmp_path):
+    workdir = tmp_path / "run"
+    holder = _start(workdir, tmp_path / "unused.npz", "--pause-at", 5)
+    try:
+        paused = Path(f"{workdir}.paused")
+        for _ in range(3000):
+            if paused.exists() or holder.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert paused.exists(), holder.communicate(timeout=10)
+        second = _start(workdir, tmp_path / "second.npz", "--resume")
+        out, err = second.communicate(timeout=300)
+        assert second.returncode == 1 and re.search(_held_message(holder.pid), err), err
+        assert "resuming from" not in out
+    finally:
+        holder.kill()
+        holder.communicate(timeout=60)
+    # Killed, the holder frees the workdir at once; the resumed run continues its step 4.
+    third = _start(workdir, tmp_path / "final.npz", "--resume")
+    out, err = third.communicate(timeout=300)
+    assert third.returncode == 0, err
+    assert f"resuming from {workdir / 'ckpts' / 'step_00000004'}" in out
+    assert _train_steps(workdir) == list(range(1, 11))
+    assert _checkpoints_load(workdir) == [8, 10]
 
 
 # ============================================================================= the log, resumed

@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec
 
 import equinox as eqx
 import jax
@@ -53,6 +53,7 @@ from .mesh import make_mesh, mesh_shape
 from .place import model_mesh, own_copy, place, replicate_strays
 from .precision import cast, check_precision, param_dtype
 from .step import LossFn, PredFn, donating_jit, jit_eval_first, predict_step, train_step
+from .workdir import hold_workdir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -631,8 +632,26 @@ def _total_steps(
     return per_run if max_steps is None else min(max_steps, per_run)
 
 
+_P = ParamSpec("_P")
+
+
+def _one_live_run(fit: Callable[_P, FitResult]) -> Callable[_P, FitResult]:
+    """`fit` holding its workdir (`hold_workdir`) from before its first read to its return."""
+
+    @functools.wraps(fit)
+    def holding(*args: _P.args, **kwargs: _P.kwargs) -> FitResult:
+        workdir: Any = kwargs.get("workdir")
+        if workdir is None:
+            return fit(*args, **kwargs)
+        with hold_workdir(workdir):
+            return fit(*args, **kwargs)
+
+    return holding
+
+
 # Over 80 lines: 26 of them are the signature, and the body is one sequence (options,
 # placement, resume, the step, the hooks, the loop) that reads best in one place.
+@_one_live_run
 def fit(
     model: PyTree,
     optimizer: optax.GradientTransformation,
@@ -684,6 +703,13 @@ def fit(
     checksum of their order, and resuming on other data is an error. A fresh run in
     a workdir that holds another run's files stops with an error unless
     `overwrite=True`, which deletes them first.
+
+    A workdir is held by one live run: before reading anything there, `fit` (on
+    process 0) takes an OS lock on `workdir/.redcoast.lock`, released when `fit`
+    returns or raises, or by the kernel when the process dies. Another `fit` given
+    the workdir meanwhile, fresh or resuming, stops at once with
+    `WorkdirInUseError` naming the holder's process id and host; a killed run's
+    workdir can be resumed at once.
 
     With a workdir, SIGTERM and SIGINT (Ctrl-C) stop the run after the current
     step: a checkpoint is saved, the handlers that were there before are restored
