@@ -3,14 +3,18 @@
 Checkpoints: a save or a checkpoint is damaged (kill -9 at several points of a real
 save in a subprocess, disk full, no permission, flipped bytes, truncation, bad
 headers and dtypes) and the last good checkpoint still loads. The loop: the
-caller's arrays stay valid, a workdir holds one run, non-finite gradients and
-updates never reach a checkpoint, signals and hooks stop a run cleanly.
+caller's arrays stay valid, a workdir holds one run and one live process, non-finite
+gradients and updates never reach a checkpoint, signals and hooks stop a run
+cleanly, a torn log line or other data never spoil a resume. Models, configs and
+`redcoast plan`: wrong values, files and ids are errors naming the field, file or
+argument, never silent wrong results.
 """
 
 import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,11 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from click.testing import CliRunner
+from safetensors.numpy import load_file, save_file
 
 import redcoast as rc
 import redcoast.checkpoint as ckpt_module
+from redcoast import planner
 from redcoast.checkpoint import CheckpointError
 from redcoast.checkpoint import step_checkpoint_path as step_path
+from redcoast.cli import main as cli_main
+from redcoast.data import order_fingerprint
+from redcoast.planner import parse_bytes
 
 
 def tree(step: int) -> dict[str, Any]:
@@ -388,6 +398,14 @@ def _arrays(tree):
 FIT = dict(collate_fn=_collate, loss_fn=_loss, per_device_batch_size=1, progress=False)
 
 
+def _train(workdir: Path | None, steps: int, *, n: int = 64, init: int = 0, **kw: Any) -> Any:
+    """`fit` of the toy MLP (initialised from seed `init`) on `n` examples for `steps` steps;
+    `kw` overrides FIT's options."""
+    optimizer = kw.pop("optimizer", optax.adam(1e-2))
+    options = {**FIT, "max_steps": steps, "workdir": workdir, **kw}
+    return rc.fit(_mlp(init), optimizer, _toy(n), **options)
+
+
 # ----------------------------------------------------------------------------- the caller's arrays
 
 
@@ -589,3 +607,462 @@ def test_hooks_run_when_due_and_may_stop_the_run(tmp_path):
     assert rc.latest_checkpoint(tmp_path / "ckpts") == tmp_path / "ckpts" / "step_00000002"
     with pytest.raises(ValueError, match="every: n must be a positive int"):
         rc.every(0, print)
+
+
+# ============================================================================= one run per workdir
+
+
+def _held_message(pid: int) -> str:
+    return rf"is in use by another live run: process {pid} on host {socket.gethostname()}"
+
+
+def test_a_workdir_held_by_a_live_fit_turns_a_second_fit_away(tmp_path):
+    refused: list[str] = []
+
+    def second_run(state):
+        # Another fit on the same workdir while this one trains, fresh and resuming.
+        for resume in (False, True):
+            with pytest.raises(rc.WorkdirInUseError, match=_held_message(os.getpid())) as err:
+                _train(tmp_path, 2, init=1, resume=resume)
+            refused.append(str(err.value))
+
+    at_3 = rc.Hook(second_run, when=lambda s: s.step == 3)
+    first = _train(tmp_path, 6, checkpointing=rc.Checkpointing(every=2), hooks=[at_3])
+    assert len(refused) == 2 and "(this very process)" in refused[0]
+    # The first run lost nothing: its checkpoints and log are its own.
+    assert first.step == 6
+    assert _names(tmp_path / "ckpts") == ["step_00000002", "step_00000004", "step_00000006"]
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == sorted(set(steps)) and max(steps) == 6
+    # The lock went with the run; its file is nobody's run files, nor a stale one a lock.
+    assert (tmp_path / ".redcoast.lock").is_file()
+    assert _train(tmp_path, 6, resume=True).step == 6
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / ".redcoast.lock").write_text('{"pid": 1, "host": "elsewhere"}')
+    assert _train(fresh, 1).step == 1
+
+
+def test_fit_that_raises_releases_its_workdir(tmp_path):
+    _train(tmp_path, 2)
+    with pytest.raises(ValueError, match=r"seed=0 .* this run has seed=1"):
+        _train(tmp_path, 4, resume=True, seed=1)
+    assert _train(tmp_path, 4, resume=True).step == 4
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from redcoast.workdir import hold_workdir
+    with hold_workdir(sys.argv[1]):
+        print("held", flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_a_killed_holder_leaves_its_workdir_free_at_once(tmp_path):
+    _train(tmp_path, 2)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        for resume in (False, True):
+            with pytest.raises(rc.WorkdirInUseError, match=_held_message(holder.pid)) as err:
+                _train(tmp_path, 4, resume=resume)
+            assert f"-c {tmp_path}" in str(err.value)  # the holder's command line
+    finally:
+        holder.kill()
+        holder.communicate(timeout=60)
+    assert holder.returncode == -signal.SIGKILL
+    # No stale lock: the kernel released it with the process.
+    assert _train(tmp_path, 4, resume=True).step == 4
+
+
+def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monkeypatch):
+    def refuse(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr("redcoast.workdir.fcntl.flock", refuse)
+    with pytest.warns(UserWarning, match=r"does not support file locks .*cannot stop a second"):
+        result = _train(tmp_path, 2)
+    assert result.step == 2 and rc.latest_checkpoint(tmp_path / "ckpts") is not None
+
+
+WORKER = Path(__file__).parent / "scripts" / "train_resume.py"
+
+
+def _start(*args: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _pid(out: str) -> int:
+    return int(out.splitlines()[0].removeprefix("pid "))
+
+
+def _train_steps(workdir: Path) -> list[int]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def _checkpoints_load(workdir: Path) -> list[int]:
+    """The steps of the workdir's checkpoints, each loaded with its checksums verified."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from train_resume import DropoutMLP
+    finally:
+        sys.path.remove(str(WORKER.parent))
+    like = DropoutMLP(jax.random.key(1))
+    return [rc.load_checkpoint(p, like=like).step for p in sorted(workdir.glob("ckpts/step_*"))]
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_on_one_workdir(tmp_path):
+    workdir, ready = tmp_path / "run", tmp_path / "ready"
+    ready.mkdir()
+    runs = [_start(workdir, tmp_path / f"out{i}.npz", "--together", ready, 2) for i in (0, 1)]
+    done = [p.communicate(timeout=300) for p in runs]
+    assert sorted(p.returncode for p in runs) == [0, 1], done
+    won = next(i for i, p in enumerate(runs) if p.returncode == 0)
+    out, err = done[1 - won]
+    assert re.search(r"WorkdirInUseError: .*" + _held_message(_pid(done[won][0])), err), err
+    assert _pid(out) == runs[1 - won].pid
+    # The winner's run is whole: ten steps logged once each, its checkpoints verified.
+    assert _train_steps(workdir) == list(range(1, 11))
+    assert _checkpoints_load(workdir) == [8, 10]
+    assert int(np.load(tmp_path / f"out{won}.npz")["step"]) == 10
+    assert not (tmp_path / f"out{1 - won}.npz").exists()
+
+
+@pytest.mark.slow
+def test_resuming_a_workdir_whose_run_still_trains_waits_for_its_end(tmp_path):
+    workdir = tmp_path / "run"
+    holder = _start(workdir, tmp_path / "unused.npz", "--pause-at", 5)
+    try:
+        paused = Path(f"{workdir}.paused")
+        for _ in range(3000):
+            if paused.exists() or holder.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert paused.exists(), holder.communicate(timeout=10)
+        second = _start(workdir, tmp_path / "second.npz", "--resume")
+        out, err = second.communicate(timeout=300)
+        assert second.returncode == 1 and re.search(_held_message(holder.pid), err), err
+        assert "resuming from" not in out
+    finally:
+        holder.kill()
+        holder.communicate(timeout=60)
+    # Killed, the holder frees the workdir at once; the resumed run continues its step 4.
+    third = _start(workdir, tmp_path / "final.npz", "--resume")
+    out, err = third.communicate(timeout=300)
+    assert third.returncode == 0, err
+    assert f"resuming from {workdir / 'ckpts' / 'step_00000004'}" in out
+    assert _train_steps(workdir) == list(range(1, 11))
+    assert _checkpoints_load(workdir) == [8, 10]
+
+
+# ============================================================================= the log, resumed
+
+
+def test_a_torn_last_line_of_metrics_jsonl_is_skipped_on_resume(tmp_path):
+    _train(tmp_path, 4, log_every=1, checkpointing=rc.Checkpointing(every=2))
+    log = tmp_path / "metrics.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 5, "epoch": 0, "loss": 0.6')  # power lost mid-write
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl: line 5 is not complete JSON"):
+        result = _train(tmp_path, 6, log_every=1, resume=True)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert log.read_text().startswith(whole)
+    assert [r["step"] for r in result.history["train"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_damaged_line_inside_metrics_jsonl_is_named(tmp_path):
+    _train(tmp_path, 4, log_every=1)
+    log = tmp_path / "metrics.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join([lines[0], "garbage\n", *lines[1:]]))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(log))}: line 2 of \d+ is not a JSON"):
+        _train(tmp_path, 6, resume=True)
+
+
+def test_jsonl_lines_go_out_whole_in_one_write(tmp_path, monkeypatch):
+    from redcoast import logging as rc_logging
+
+    writes: list[bytes] = []
+    real = os.write
+
+    def spy(fd: int, data: bytes) -> int:
+        writes.append(bytes(data))
+        return real(fd, data)
+
+    log = rc.jsonl_logger(tmp_path / "m.jsonl")
+    monkeypatch.setattr(rc_logging.os, "write", spy)
+    log({f"metric_{i}": float(i) for i in range(5000)}, 7)  # a line of ~90 kB
+    assert len(writes) == 1 and writes[0].endswith(b"\n")
+    assert json.loads(writes[0])["step"] == 7
+    monkeypatch.setattr(rc_logging.os, "write", lambda fd, data: real(fd, data[:10]))
+    with pytest.raises(OSError, match=r"wrote 10 of \d+ bytes.*m\.jsonl"):
+        log({"loss": 1.0}, 8)
+
+
+def test_aux_metrics_named_like_the_loops_own_are_refused_with_the_list():
+    for name in ("step", "epoch", "examples_per_s"):
+
+        def loss_fn(model, batch, key, name=name):
+            return _loss(model, batch, key), {name: jnp.float32(1.0)}
+
+        with pytest.raises(ValueError, match=rf"reserved name '{name}'.*Reserved: loss, grad_norm"):
+            _train(None, 1, loss_fn=loss_fn)
+
+
+# ============================================================================= the data, resumed
+
+
+def test_resuming_on_other_data_is_refused_naming_the_lengths(tmp_path):
+    _train(tmp_path, 3, checkpointing=rc.Checkpointing(every=3))
+    state_file = tmp_path / "ckpts" / "step_00000003" / "state.json"
+    loop = json.loads(state_file.read_text())["loop"]
+    assert loop["n_examples"] == 64
+    assert loop["order"] == order_fingerprint(64, seed=0, epoch=0)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    # 40 examples make 5 batches: the saved position would skip to the next epoch.
+    with pytest.raises(ValueError, match=r"epoch 0 had 64 training examples .* has 40"):
+        _train(tmp_path, 6, n=40, resume=True)
+    state = json.loads(state_file.read_text())
+    state["loop"]["order"] = "0123456789abcdef"  # what another NumPy's shuffle would give
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"order of its 64 examples .* is not the saved one"):
+        _train(tmp_path, 6, resume=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert _names(tmp_path / "ckpts") == ["step_00000003"]
+
+
+def test_resuming_with_another_optimizer_names_the_optimizer(tmp_path):
+    _train(tmp_path, 2)
+    with pytest.raises(
+        CheckpointError, match=r"optimizer arrays do not match `opt_state_like`"
+    ) as e:
+        _train(tmp_path, 4, resume=True, optimizer=optax.lion(1e-3))
+    assert "another optimizer" in str(e.value) and "architecture" not in str(e.value)
+
+
+def test_a_fractional_step_is_refused_not_rounded(tmp_path):
+    # The test-time type checker answers first; redcoast's own check is underneath it.
+    with pytest.raises(TypeError, match=r"(?s)'step'.*2\.5"):
+        rc.save_checkpoint(tmp_path / "c", model=tree(1), step=2.5)  # type: ignore[arg-type]
+    unchecked = getattr(rc.save_checkpoint, "__wrapped__", rc.save_checkpoint)
+    with pytest.raises(TypeError, match=r"step must be an int.*got 2\.5 \(float\)"):
+        unchecked(tmp_path / "c", model=tree(1), step=2.5)
+    with pytest.raises(ValueError, match=r"step must be >= 0, got -1"):
+        rc.save_checkpoint(tmp_path / "c", model=tree(1), step=-1)
+    assert not list(tmp_path.iterdir())
+
+
+# ============================================================================= batches and metrics
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype"),
+    [
+        (np.array(["a", "b"]), "<U1"),
+        (np.array(["2024-01-01", "2024-01-02"], "M8[D]"), "datetime64"),
+    ],
+    ids=["strings", "datetimes"],
+)
+def test_a_batch_of_strings_or_datetimes_names_the_key(values, dtype):
+    def collate(examples):
+        return {**_collate(examples), "when": np.resize(values, len(examples))}
+
+    with pytest.raises(ValueError, match=rf"returned arrays JAX cannot hold: \{{'when': '{dtype}"):
+        _train(None, 1, collate_fn=collate)
+
+
+def test_metric_fn_returning_text_names_the_metric():
+    evaluation = rc.Evaluation(
+        _toy(8),
+        pred_fn=lambda m, b, k: jax.vmap(m)(b["x"]).argmax(-1),
+        metric_fn=lambda examples, outputs: {"acc": 0.5, "verdict": "good"},
+    )
+    with pytest.raises(TypeError, match=r"metric_fn must return numbers; 'verdict' is 'good'"):
+        _train(None, 1, evaluation=evaluation)
+
+
+# ============================================================================= models and configs
+
+GPT2_CONFIG = rc.models.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2 saved as transformers saves it."""
+    folder = tmp_path_factory.mktemp("gpt2")
+    rc.models.GPT2(GPT2_CONFIG, key=jax.random.key(0)).to_hf(folder)
+    return folder
+
+
+def _copy_with_config(src: Path, dst: Path, **changes: Any) -> Path:
+    shutil.copytree(src, dst)
+    values = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**values, **changes}))
+    return dst
+
+
+BAD_CONFIGS = [
+    ({"n_layer": "2"}, TypeError, r"GPT2Config: n_layer must be an int, got '2' \(str\)"),
+    ({"n_head": 4.0}, TypeError, r"GPT2Config: n_head must be an int, got 4\.0"),
+    ({"n_head": 0}, ValueError, r"GPT2Config: n_head must be at least 1, got 0"),
+    ({"n_layer": 0}, ValueError, r"GPT2Config: n_layer must be at least 1, got 0"),
+    ({"n_head": 3}, ValueError, r"n_embd=32 is not a multiple of n_head=3 .*1, 2, 4, 8, 16, 32"),
+    ({"layer_norm_epsilon": "1e-5"}, TypeError, r"layer_norm_epsilon must be a number"),
+    ({"tie_word_embeddings": 1}, TypeError, r"tie_word_embeddings must be true or false"),
+]
+
+
+def _as_users_run_it(cls: type, **values: Any) -> Any:
+    """`cls(**values)` without the test-time type checker (jaxtyping + beartype) that wraps
+    `__init__` here, so redcoast's own checks answer, as in a user's program."""
+    config = object.__new__(cls)
+    getattr(cls.__init__, "__wrapped__", cls.__init__)(config, **values)
+    return config
+
+
+@pytest.mark.parametrize(("change", "kind", "message"), BAD_CONFIGS)
+def test_config_values_of_the_wrong_type_or_zero_name_the_field(
+    gpt2_folder: Path, tmp_path: Path, change: dict[str, Any], kind: type, message: str
+) -> None:
+    ((field, value),) = change.items()
+    folder = _copy_with_config(gpt2_folder, tmp_path / "m", **change)
+    # Here the test-time type checker may answer first, naming the field as well.
+    either = message if kind is ValueError else rf"(?s){field}.*{re.escape(repr(value))}"
+    with pytest.raises(kind, match=either):
+        rc.models.from_hf(folder)
+    with pytest.raises(kind, match=message):
+        _as_users_run_it(rc.models.GPT2Config, **{**dataclasses.asdict(GPT2_CONFIG), **change})
+    # redcoast plan reads the same config.json, and says so before compiling.
+    result = CliRunner().invoke(cli_main, ["plan", str(folder / "config.json")])
+    assert result.exit_code != 0 and re.search(either, result.output), result.output
+    assert "Traceback" not in result.output
+
+
+def test_heads_that_do_not_divide_are_refused_in_every_architecture() -> None:
+    with pytest.raises(ValueError, match=r"OPTConfig: hidden_size=32 is not a multiple of"):
+        rc.models.OPTConfig(hidden_size=32, num_attention_heads=3)
+    with pytest.raises(ValueError, match=r"BARTConfig: d_model=32 .* decoder_attention_heads=5"):
+        rc.models.BARTConfig(d_model=32, encoder_attention_heads=4, decoder_attention_heads=5)
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 .* num_key_value_heads=3"):
+        rc.models.LlamaConfig(num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"T5Config: num_layers must be at least 1"):
+        rc.models.T5Config(num_layers=0)
+    # T5's heads have d_kv features each: any count is fine.
+    assert rc.models.T5Config(d_model=32, num_heads=3).num_heads == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"model_type": "gpt2",\n  "n_layer": 2,,}', r"config\.json is not valid JSON: .* line 2"),
+        ('[{"model_type": "gpt2"}]', r"config\.json holds a JSON list, not the object"),
+    ],
+    ids=["malformed", "list"],
+)
+def test_a_malformed_config_json_names_the_file(
+    gpt2_folder: Path, tmp_path: Path, text: str, message: str
+) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(gpt2_folder, folder)
+    (folder / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(folder)) + ".*" + message):
+        rc.models.from_hf(folder)
+    result = CliRunner().invoke(cli_main, ["plan", str(folder / "config.json")])
+    assert (
+        result.exit_code != 0
+        and re.search(message, result.output)
+        and "Traceback" not in result.output
+    )
+
+
+def test_a_truncated_safetensors_file_names_the_file(gpt2_folder: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(gpt2_folder, folder)
+    file = folder / "model.safetensors"
+    for keep in (file.stat().st_size - 100, 5):  # the data cut, the header cut
+        file.write_bytes((gpt2_folder / "model.safetensors").read_bytes()[:keep])
+        with pytest.raises(
+            ValueError, match=rf"{re.escape(str(file))} is not a complete safetensors"
+        ):
+            rc.models.from_hf(folder)
+
+
+def test_an_integer_tensor_for_a_float_weight_names_the_tensor(
+    gpt2_folder: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(gpt2_folder, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["transformer.h.1.ln_2.weight"] = tensors["transformer.h.1.ln_2.weight"].astype(np.int32)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"'transformer\.h\.1\.ln_2\.weight' .* is int32, but GPT2's"
+    ):
+        rc.models.from_hf(folder)
+
+
+def test_generate_refuses_ids_that_would_wrap_and_empty_prompts() -> None:
+    model = rc.models.GPT2(GPT2_CONFIG, key=jax.random.key(0))
+    wrapped = np.array([[2**32 + 5, 1]])  # int64; JAX would make it 5, a valid id
+    with pytest.raises(ValueError, match=r"prompt_ids \(int64\) has values in \[1, 4294967301\]"):
+        rc.models.generate(model, wrapped, max_new_tokens=2)
+    ok = rc.models.generate(model, np.array([[5, 1]]), max_new_tokens=2)  # int64 in range
+    assert ok.shape == (1, 2)
+    with pytest.raises(ValueError, match=r"prompt_lengths \(int64\) has values"):
+        rc.models.generate(
+            model, np.array([[5, 1]]), max_new_tokens=2, prompt_lengths=np.array([2**32 + 1])
+        )
+    with pytest.raises(ValueError, match=r"prompt_ids has shape \(2, 0\): prompts of no tokens"):
+        rc.models.generate(model, np.zeros((2, 0), np.int32), max_new_tokens=2)
+    t5 = rc.models.T5(
+        rc.models.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4),
+        key=jax.random.key(0),
+    )
+    with pytest.raises(ValueError, match=r"input_ids \(int64\) has values in \[1, 4294967301\]"):
+        rc.models.generate_seq2seq(t5, wrapped, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask \(int64\) has values"):
+        rc.models.generate_seq2seq(t5, np.array([[5, 1]]), attention_mask=wrapped, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(2, 0\): sources of no tokens"):
+        rc.models.generate_seq2seq(t5, np.zeros((2, 0), np.int32), max_new_tokens=2)
+
+
+# ============================================================================= redcoast plan
+
+
+def test_plan_refuses_a_bare_number_of_bytes_and_an_unwritable_json_before_compiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match=r"device memory '40' has no unit; write 40GB, 40GiB"):
+        rc.plan("gpt2", devices=8, device_memory="40")
+    assert parse_bytes("40GB") == 40 * 10**9 and parse_bytes("40B") == 40
+    assert parse_bytes(40) == 40  # an int is bytes already, in Python
+
+    def compile_nothing(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("planned (compiled) before checking the options")
+
+    monkeypatch.setattr(planner, "plan", compile_nothing)
+    for target, message in [
+        (tmp_path, r"is a folder; name a file in it"),
+        (tmp_path / "missing" / "plan.json", r"folder .*missing does not exist"),
+    ]:
+        result = CliRunner().invoke(cli_main, ["plan", "gpt2", "--json", str(target)])
+        assert result.exit_code == 2 and re.search(message, " ".join(result.output.split()))
+        assert "--json" in result.output
+    assert not (tmp_path / "missing").exists()

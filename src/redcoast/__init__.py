@@ -45,6 +45,7 @@ from .sharding import sharding_rules as sharding_rules
 from .step import eval_step as eval_step
 from .step import predict_step as predict_step
 from .step import train_step as train_step
+from .workdir import WorkdirInUseError as WorkdirInUseError
 
 try:
     __version__ = _metadata.version("redcoast")

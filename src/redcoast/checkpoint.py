@@ -430,6 +430,7 @@ def save_checkpoint(
 
     Raises:
         CheckpointError: `path` is something other than a redcoast checkpoint.
+        TypeError: `step` is not an int (2.5 would otherwise be stored as 2).
         OSError: writing failed (disk full, no permission), naming the file; the
             temporary folder is removed and a previous checkpoint at `path` is intact.
 
@@ -438,6 +439,14 @@ def save_checkpoint(
         ...                 step=100, metrics={"loss": 1.3})
     """
     final = Path(path)
+    if isinstance(step, bool) or not isinstance(step, int | np.integer):
+        raise TypeError(
+            f"save_checkpoint: step must be an int, the optimizer steps taken; got {step!r} "
+            f"({type(step).__name__}), which state.json cannot hold as it is. Pass a whole "
+            "number (round it yourself if that is what you mean)."
+        )
+    if step < 0:
+        raise ValueError(f"save_checkpoint: step must be >= 0, got {step}.")
     reserved = RESERVED & set(extra)
     if reserved:
         raise TypeError(f"save_checkpoint: {sorted(reserved)} are reserved names in state.json.")
@@ -600,18 +609,29 @@ def _check(
     want = {k for k, _ in leaves}
     missing = sorted(want - set(stored))
     extra = sorted(set(stored) - want)
+    if what == "optimizer":
+        given = "`opt_state_like`"
+        fix = (
+            "The checkpoint was saved with another optimizer or other optimizer options: "
+            "build `opt_state_like` with the optimizer the checkpoint was saved with (in "
+            "fit, pass the run's optimizer), or resume in a new workdir."
+        )
+    else:
+        given = "`like`"
+        fix = "Build `like` with the same architecture and config as the saved model."
     if missing or extra:
         raise CheckpointError(
-            f"{folder}: the {what} arrays do not match `like`: "
+            f"{folder}: the {what} arrays do not match {given}: "
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}. "
-            "Build `like` with the same architecture and config as the saved model."
+            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}. {fix}"
         )
     for key, leaf in leaves:
         shape, dtype = _abstract(leaf)
         got = stored[key]
         if got.shape != shape:
-            raise CheckpointError(f"{got.file}: {key!r} has shape {got.shape}, `like` has {shape}.")
+            raise CheckpointError(
+                f"{got.file}: {key!r} has shape {got.shape}, {given} has {shape}. {fix}"
+            )
         floats = jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(got.dtype, jnp.floating)
         if got.dtype != dtype and not (cast is not None and floats and not _is_key(leaf)):
             raise CheckpointError(

@@ -277,7 +277,11 @@ def run() -> None:
 @click.option("--per-device-batch-size", default=1, show_default=True, help="Sequences per device.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @click.option("--remat", type=click.Choice(REMATS), default="none", show_default=True)
-@click.option("--device-memory", default=None, help="Memory per device, e.g. 32GB or 40GiB.")
+@click.option(
+    "--device-memory",
+    default=None,
+    help="Memory per device with its unit: 32GB, 40GiB (a bare 40 is refused).",
+)
 @click.option("--search", is_flag=True, help="Find the cheapest layout that fits.")
 @click.option("--specs", is_flag=True, help="Also print every weight's split and why.")
 @click.option("--json", "json_path", default=None, help="Also write the figures to this file.")
@@ -298,6 +302,8 @@ def plan(
     """Will MODEL train on this hardware? MODEL is a zoo preset (gpt2-large, llama-7b,
     gpt-j-6b, opt-13b, opt-66b, ...) or a config.json. Compiles the AdamW train step
     for simulated devices on abstract shapes and reports memory per device."""
+    if json_path is not None:
+        _check_writable(json_path, "--json")
     _simulate_devices(devices)
     from . import planner
 
@@ -321,6 +327,18 @@ def plan(
     click.echo(str(result))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+
+
+def _check_writable(path: str, option: str) -> None:
+    """Refuse an output file that cannot be written, before minutes of work go into it."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise click.BadParameter(f"{path} is a folder; name a file in it.", param_hint=option)
+    if not folder.is_dir():
+        raise click.BadParameter(f"folder {folder} does not exist.", param_hint=option)
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise click.BadParameter(f"{path} cannot be written (permissions).", param_hint=option)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import xxhash
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -74,6 +76,29 @@ def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> Int[n
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     return np.random.default_rng([int(seed), int(epoch)]).permutation(n).astype(np.int64)
+
+
+def order_fingerprint(n: int, *, seed: int, epoch: int) -> str:
+    """A checksum (xxh3-64, hex) of the order in which an epoch visits `n` examples.
+
+    A checkpoint keeps it beside the dataset's length, so a resumed run can tell
+    that it would visit the examples in another order (another NumPy shuffling
+    them otherwise) rather than quietly lose step-exactness.
+
+    Args:
+        n: number of examples.
+        seed: the run's seed.
+        epoch: the epoch.
+
+    Returns:
+        16 hex digits.
+
+    Example:
+        >>> order_fingerprint(1000, seed=0, epoch=3)
+        '...'
+    """
+    order = epoch_order(n, seed=seed, epoch=epoch)
+    return xxhash.xxh3_64_hexdigest(order.astype("<i8").tobytes())
 
 
 def check_positive(name: str, value: Any, *, optional: bool = True) -> None:
@@ -148,7 +173,8 @@ def collate(collate_fn: CollateFn, examples: list[Any]) -> dict[str, np.ndarray]
 
     Raises:
         TypeError: `collate_fn` did not return a dict.
-        ValueError: an array's leading axis differs from `len(examples)`.
+        ValueError: an array's leading axis differs from `len(examples)`, or an
+            array is not numbers or booleans (strings, datetimes, objects).
 
     Example:
         >>> collate(lambda exs: {"x": np.stack(exs)}, [np.zeros(3)] * 4)["x"].shape
@@ -182,6 +208,19 @@ def collate(collate_fn: CollateFn, examples: list[Any]) -> dict[str, np.ndarray]
         raise ValueError(
             f"collate_fn ({name}) returned ragged or non-numeric values for {object_arrays} "
             f"(NumPy made dtype=object arrays); pad them to one shape."
+        )
+    other = {
+        k: str(v.dtype)
+        for k, v in arrays.items()
+        # NumPy counts timedelta64 as an integer; JAX holds neither it nor datetime64.
+        if v.dtype.kind in "mM" or not (v.dtype == np.bool_ or jnp.issubdtype(v.dtype, jnp.number))
+    }
+    if other:
+        raise ValueError(
+            f"collate_fn ({name}) returned arrays JAX cannot hold: {other}; a batch holds "
+            "numbers and booleans only. Turn them into numbers in collate_fn: strings into "
+            "token or category ids, datetimes and durations into seconds (e.g. "
+            "x.astype('datetime64[s]').astype(np.int64)), or leave such fields out of the batch."
         )
     return arrays
 

@@ -151,14 +151,31 @@ class Evaluation:
 
 
 def scalar_metrics(metrics: Any) -> dict[str, float]:
-    """`metric_fn`'s dict as `{str: float}`, with an error naming what is not a scalar."""
+    """`metric_fn`'s dict as `{str: float}`, with an error naming the metric that is wrong.
+
+    Args:
+        metrics: what `metric_fn` returned.
+
+    Returns:
+        The metrics as Python floats.
+
+    Raises:
+        TypeError: not a dict, or a value that is not a number (a string, None).
+        ValueError: a value that is not a scalar.
+    """
     if not isinstance(metrics, Mapping):
         raise TypeError(f"metric_fn must return a dict of numbers, got {type(metrics).__name__}.")
     out = {}
     for k, v in metrics.items():
         if np.ndim(v) != 0:
             raise ValueError(f"metric_fn must return scalars; {k!r} has shape {np.shape(v)}.")
-        out[str(k)] = float(v)
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"metric_fn must return numbers; {k!r} is {v!r} ({type(v).__name__}). Return "
+                "a number, or log text elsewhere."
+            ) from None
     return out
 
 

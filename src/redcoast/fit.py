@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec
 
 import equinox as eqx
 import jax
@@ -37,14 +37,24 @@ from .checkpoint import (
     save_checkpoint,
     step_checkpoint_path,
 )
-from .data import Batch, CollateFn, Examples, barrier, batches, check_positive, global_batch_size
+from .data import (
+    Batch,
+    CollateFn,
+    Examples,
+    barrier,
+    batches,
+    check_positive,
+    global_batch_size,
+    order_fingerprint,
+)
 from .evaluate import Evaluation, check_examples, inference, scalar_metrics
-from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
+from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger, read_jsonl
 from .loop import Hook, LoopState, always, run_loop
 from .mesh import make_mesh, mesh_shape
 from .place import model_mesh, own_copy, place, release, replicate_strays
 from .precision import cast, check_precision, param_dtype
 from .step import LossFn, PredFn, donating_jit, jit_eval_first, predict_step, train_step
+from .workdir import hold_workdir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,15 +244,15 @@ def _restore_history(path: str, step: int, lead: bool) -> dict[str, list[dict[st
     """Records of `metrics.jsonl` up to `step`; on process 0, later lines are dropped.
 
     Lines after the checkpoint were written by the run that was interrupted; the
-    resumed run writes those steps again.
+    resumed run writes those steps again. So is a torn last line (skipped with a
+    warning by `read_jsonl`), which the next line must not be appended to.
     """
     history: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
     if not os.path.isfile(path):
         return history
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records, unfinished = read_jsonl(path)
     kept = [r for r in records if int(r.get("step", 0)) <= step]
-    if lead and len(kept) != len(records):
+    if lead and (unfinished or len(kept) != len(records)):
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
@@ -262,6 +272,8 @@ class _Run:
     key: Any
     root: str | None  # the workdir
     lead: bool  # process 0, which writes
+    # epoch -> {"n_examples", "order"}: what a checkpoint records of the epoch's data.
+    data: Callable[[int], dict[str, Any]] | None = None
 
     @property
     def ckpts(self) -> str | None:
@@ -286,6 +298,7 @@ def _resume(run: _Run, state: LoopState) -> tuple[LoopState, dict[str, Any]]:
             "seed and per_device_batch_size x data shards x accumulate_grad_batches, or a "
             "new workdir."
         )
+    _check_data(found, loop, run)
     best = state.best
     if best is not None and loop.get("best") and loop["best"]["metric"] == best.metric:
         best = dataclasses.replace(best, **loop["best"])
@@ -302,6 +315,30 @@ def _resume(run: _Run, state: LoopState) -> tuple[LoopState, dict[str, Any]]:
         best=best,
     )
     return resumed, history
+
+
+def _check_data(found: Path, loop: dict[str, Any], run: _Run) -> None:
+    """Refuse to resume on other data: the saved position would point into another order."""
+    if "n_examples" not in loop or run.data is None:  # saved before redcoast recorded it
+        return
+    epoch = int(loop["epoch"])
+    now = run.data(epoch)
+    if now["n_examples"] != loop["n_examples"]:
+        raise ValueError(
+            f"cannot resume step-exactly from {found}: epoch {epoch} had "
+            f"{loop['n_examples']} training examples when it was saved, and this run's "
+            f"train_examples has {now['n_examples']}. The saved position ({loop['position']} "
+            "batches into the epoch) would skip or repeat examples. Pass the same "
+            "train_examples, or start afresh in a new workdir (or with overwrite=True)."
+        )
+    if now["order"] != loop["order"]:
+        raise ValueError(
+            f"cannot resume step-exactly from {found}: epoch {epoch}'s order of its "
+            f"{now['n_examples']} examples (seed {run.seed}) is not the saved one (checksum "
+            f"{now['order']}, saved {loop['order']}): NumPy shuffles them differently here "
+            "(another NumPy version?). Resume with the NumPy that saved the run, or start "
+            "afresh in a new workdir."
+        )
 
 
 def _report_stop(run: _Run, state: LoopState) -> None:
@@ -425,6 +462,7 @@ def _saver(run: _Run, buffer: MetricsBuffer) -> Callable[[Path, LoopState], None
             "seed": run.seed,
             "global_batch_size": run.size,
             "best": None if s.best is None else dataclasses.asdict(s.best),
+            **({} if run.data is None else run.data(s.epoch)),
         }
         save_checkpoint(
             path,
@@ -539,8 +577,11 @@ def _epochs(
     mesh: Mesh,
     size: int,
     seed: int,
-) -> tuple[Batch, Callable[[int, int], tuple[Iterator[Batch], int]]]:
-    """The first batch (collated once, to trace `loss_fn`), and `(epoch, start) -> batches`."""
+) -> tuple[
+    Batch, Callable[[int, int], tuple[Iterator[Batch], int]], Callable[[int], dict[str, Any]]
+]:
+    """The first batch (collated once, to trace `loss_fn`), `(epoch, start) -> batches`, and
+    `epoch -> {"n_examples", "order"}` (its length and `order_fingerprint`) for checkpoints."""
 
     def examples_of(epoch: int) -> Examples:
         examples = train_examples(epoch) if callable(train_examples) else train_examples
@@ -554,20 +595,33 @@ def _epochs(
             )
         return examples
 
-    # Asked for once: train_examples(epoch) may build the examples anew on each call.
-    first_examples = examples_of(0)
+    # Asked for once an epoch: train_examples(epoch) may build the examples anew on each call.
+    held: dict[int, Examples] = {0: examples_of(0)}
+
+    def examples(epoch: int) -> Examples:
+        if epoch not in held:
+            held.clear()
+            held[epoch] = examples_of(epoch)
+        return held[epoch]
+
+    first_examples = held[0]
     kw: dict[str, Any] = {"collate_fn": collate_fn, "mesh": mesh, "batch_size": size, "seed": seed}
     first = next(batches(first_examples, epoch=0, **kw))
 
     def epoch_batches(epoch: int, start: int) -> tuple[Iterator[Batch], int]:
-        examples = first_examples if epoch == 0 else examples_of(epoch)
+        those = examples(epoch)
         if epoch == 0 and start == 0:
-            it = itertools.chain([first], batches(examples, epoch=0, start=1, **kw))
+            it = itertools.chain([first], batches(those, epoch=0, start=1, **kw))
         else:
-            it = batches(examples, epoch=epoch, start=start, **kw)
-        return it, len(examples) // size
+            it = batches(those, epoch=epoch, start=start, **kw)
+        return it, len(those) // size
 
-    return first, epoch_batches
+    @functools.lru_cache(maxsize=2)
+    def data(epoch: int) -> dict[str, Any]:
+        n = len(examples(epoch))
+        return {"n_examples": n, "order": order_fingerprint(n, seed=seed, epoch=epoch)}
+
+    return first, epoch_batches, data
 
 
 def _total_steps(
@@ -579,8 +633,26 @@ def _total_steps(
     return per_run if max_steps is None else min(max_steps, per_run)
 
 
+_P = ParamSpec("_P")
+
+
+def _one_live_run(fit: Callable[_P, FitResult]) -> Callable[_P, FitResult]:
+    """`fit` holding its workdir (`hold_workdir`) from before its first read to its return."""
+
+    @functools.wraps(fit)
+    def holding(*args: _P.args, **kwargs: _P.kwargs) -> FitResult:
+        workdir: Any = kwargs.get("workdir")
+        if workdir is None:
+            return fit(*args, **kwargs)
+        with hold_workdir(workdir):
+            return fit(*args, **kwargs)
+
+    return holding
+
+
 # Over 80 lines: 26 of them are the signature, and the body is one sequence (options,
 # placement, resume, the step, the hooks, the loop) that reads best in one place.
+@_one_live_run
 def fit(
     model: PyTree,
     optimizer: optax.GradientTransformation,
@@ -631,8 +703,17 @@ def fit(
     last step), and `best` for `evaluation.save_best`, which resuming never picks.
     `resume=True` continues step-exactly from the newest complete `step_*`
     checkpoint: same parameters, optimizer state, position in the epoch's data
-    order and keys. A fresh run in a workdir that holds another run's files stops
-    with an error unless `overwrite=True`, which deletes them first.
+    order and keys; a checkpoint records its epoch's number of examples and a
+    checksum of their order, and resuming on other data is an error. A fresh run in
+    a workdir that holds another run's files stops with an error unless
+    `overwrite=True`, which deletes them first.
+
+    A workdir is held by one live run: before reading anything there, `fit` (on
+    process 0) takes an OS lock on `workdir/.redcoast.lock`, released when `fit`
+    returns or raises, or by the kernel when the process dies. Another `fit` given
+    the workdir meanwhile, fresh or resuming, stops at once with
+    `WorkdirInUseError` naming the holder's process id and host; a killed run's
+    workdir can be resumed at once.
 
     With a workdir, SIGTERM and SIGINT (Ctrl-C) stop the run after the current
     step: a checkpoint is saved, the handlers that were there before are restored
@@ -707,9 +788,10 @@ def fit(
     run = _Run(mesh, size, seed, jax.random.key(seed), root, jax.process_index() == 0)
     if root is not None:
         _claim_workdir(root, resume=resume, overwrite=overwrite, lead=run.lead)
-    first, epoch_batches = _epochs(
+    first, epoch_batches, data = _epochs(
         train_examples, collate_fn=collate_fn, mesh=mesh, size=size, seed=seed
     )
+    run = dataclasses.replace(run, data=data)
     placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key), fsdp=fsdp)
     if precision == "pure-bf16":
         placed = cast(placed, param_dtype(precision))

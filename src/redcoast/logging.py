@@ -8,11 +8,13 @@ once per logging interval, never per call here.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType, TracebackType
 from typing import Any
@@ -53,8 +55,11 @@ def jsonl_logger(path: str | os.PathLike[str]) -> Logger:
     """Append one JSON line `{"step": step, **metrics}` per call to `path`.
 
     The file is opened and closed on every call, so nothing leaks if training dies
-    and another process can tail it. Non-finite floats are written as strings
-    (`"nan"`, `"inf"`) to keep every line valid JSON.
+    and another process can tail it. Each line goes out in one `write` to a file
+    opened for appending, so a reader never sees half of one next to a whole other;
+    only a write cut short (disk full, power loss) can leave a torn last line, which
+    `read_jsonl` skips. Non-finite floats are written as strings (`"nan"`, `"inf"`)
+    to keep every line valid JSON.
 
     Args:
         path: the `.jsonl` file; its folder is created if needed.
@@ -71,10 +76,66 @@ def jsonl_logger(path: str | os.PathLike[str]) -> Logger:
     def log(metrics: dict[str, Any], step: int) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         record = {"step": int(step), **{k: _json_value(v) for k, v in metrics.items()}}
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = (json.dumps(record) + "\n").encode()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):  # a regular file takes all of it unless the disk is full
+                raise OSError(errno.ENOSPC, f"wrote {written} of {len(line)} bytes", path)
+        finally:
+            os.close(fd)
 
     return log
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], bool]:
+    """The records of a `.jsonl` file that `jsonl_logger` wrote, and whether its end is torn.
+
+    A last line that is not complete JSON is what a write cut short leaves (the disk
+    filled, the machine lost power); it is skipped with a warning naming the file
+    and line. A bad line anywhere else is damage redcoast did not cause, and an
+    error.
+
+    Args:
+        path: the file.
+
+    Returns:
+        `(records, unfinished)`: every complete record in order, and whether the
+        file ends in anything but a whole line (a torn line, or a last record
+        without its newline), which a writer must rewrite before appending to it.
+
+    Raises:
+        ValueError: a line other than the last is not a JSON object; the message
+            names the file and the line.
+
+    Example:
+        >>> records, unfinished = read_jsonl("runs/x/metrics.jsonl")
+    """
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip(b" \t\r\0")]
+    records: list[dict[str, Any]] = []
+    for position, (number, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+            continue
+        if position == len(numbered) - 1:
+            warnings.warn(
+                f"{os.fspath(path)}: line {number} is not complete JSON, the end of a write "
+                f"cut short (disk full, power loss); skipping it: {line[:80]!r}",
+                stacklevel=2,
+            )
+            return records, True
+        raise ValueError(
+            f"{os.fspath(path)}: line {number} of {len(lines)} is not a JSON object "
+            f"({line[:80]!r}). Only a last line can be torn by an interrupted write; "
+            "repair or delete this line (or the file, losing the history) and run again."
+        )
+    return records, bool(lines[-1])
 
 
 class _TensorBoard:

@@ -12,7 +12,6 @@ temporaries (gradients, activations, workspace) and the peak come from XLA.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import time
@@ -43,18 +42,27 @@ _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_bytes(text: str | int) -> int:
-    """`"32GB"` -> 32e9, `"40GiB"` -> 40 * 2**30; ints pass through.
+    """`"32GB"` -> 32e9, `"40GiB"` -> 40 * 2**30, `"512B"` -> 512; ints are bytes already.
+
+    A string needs its unit: `"40"` is refused, since whether 40 bytes or 40 GB was
+    meant cannot be known, and 40 bytes would make every layout fail.
 
     Raises:
-        ValueError: not a number followed by an optional unit (B, KB, MB, GB, TB, KiB..TiB).
+        ValueError: not a number followed by a unit (B, KB, MB, GB, TB, KiB..TiB).
     """
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in _UNITS:
         raise ValueError(
-            f"device memory {text!r} is not a size; write e.g. 32GB, 40GiB or 16000000000."
+            f"device memory {text!r} is not a size; write a number and a unit, e.g. 32GB, "
+            "40GiB or 16000000000B."
+        )
+    if not unit:
+        raise ValueError(
+            f"device memory {text!r} has no unit; write {match.group(1)}GB, "
+            f"{match.group(1)}GiB, or {match.group(1)}B if bytes are meant."
         )
     return int(float(match.group(1)) * _UNITS[unit])
 
@@ -203,7 +211,7 @@ def _resolve(model: str | HFConfig) -> tuple[str, type[Any], HFConfig]:
     path = Path(model)
     if path.is_file() or (path / "config.json").is_file():
         folder = path if path.is_dir() else path.parent
-        values = read_config(folder) if path.is_dir() else json.loads(path.read_text())
+        values = read_config(folder if path.is_dir() else path)
         cls = _class_of(values.get("model_type"))
         return str(model), cls, cls.config_class.from_dict(values)
     raise ValueError(
@@ -472,7 +480,8 @@ def plan(
         per_device_batch_size: sequences per data-parallel device.
         precision: `"fp32"`, `"bf16"` or `"pure-bf16"`.
         remat: `"none"`, `"dots"` or `"full"` (zoo models).
-        device_memory: bytes per device (`"32GB"`, `"40GiB"` or an int) to judge fit.
+        device_memory: memory per device to judge fit: a string with its unit
+            (`"32GB"`, `"40GiB"`; a bare `"40"` is refused) or an int of bytes.
         search: find the cheapest layout that fits `device_memory` instead (see
             `_candidates` for the order); the given layout is the first tried.
         max_batch: with `device_memory`, also find the largest per-device batch that

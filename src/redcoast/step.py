@@ -34,7 +34,20 @@ PredFn = Callable[[Any, Any, PRNGKeyArray], Any]
 TrainStepFn = Callable[[Any, Any, Any, PRNGKeyArray], tuple[Any, Any, dict[str, Array]]]
 """`(model, opt_state, batch, key) -> (model, opt_state, metrics)`."""
 
-_RESERVED = ("loss", "grad_norm", "lr", "skipped", "nonfinite", "weight")
+# Names the step, the evaluation and fit's log records write themselves; an aux
+# scalar under one of them would overwrite it (a `step` aux made every record step 1).
+_RESERVED = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "skipped",
+    "nonfinite",
+    "weight",
+    "step",
+    "epoch",
+    "steps_per_s",
+    "examples_per_s",
+)
 _T = TypeVar("_T")
 
 
@@ -106,7 +119,10 @@ def _split_loss(out: Any, batch: Any, name: str = "loss_fn") -> tuple[Array, dic
     clean = {}
     for k, v in aux.items():
         if k in _RESERVED:
-            raise ValueError(f"{name}'s aux dict uses the reserved name {k!r}; rename it.")
+            raise ValueError(
+                f"{name}'s aux dict uses the reserved name {k!r}, which the training loop "
+                f"writes itself; rename it. Reserved: {', '.join(_RESERVED)}."
+            )
         if jnp.shape(v) != ():
             raise ValueError(
                 f"{name}'s aux dict must hold scalars; {k!r} has shape {tuple(jnp.shape(v))} "

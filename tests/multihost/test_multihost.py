@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from redcoast.distributed import free_port
+from redcoast.workdir import hold_workdir
 
 pytestmark = pytest.mark.multihost
 
@@ -178,3 +179,22 @@ def test_two_processes_read_disjoint_rows_of_one_token_folder(tmp_path: Path) ->
     assert len(set(first["read"]) | set(second["read"])) == 24
     np.testing.assert_allclose(first["losses"], second["losses"], rtol=0)
     assert first["losses"][-1] < first["losses"][0]
+
+
+def test_a_held_workdir_stops_every_process_of_a_job(tmp_path: Path) -> None:
+    # Process 0 finds the workdir held (here by this test process); the others wait for
+    # its verdict and stop with the same error, none left hanging in a collective.
+    out = tmp_path / "job"
+    command = [sys.executable, "-m", "redcoast", "launch", "--nprocs", "2"]
+    command += ["--devices-per-proc", "4", "--port", str(free_port()), "--timeout", "300", "--"]
+    command += [sys.executable, str(SCRIPT), "--out", str(out)]
+    with hold_workdir(out / "workdir"):
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124), log  # failed, and not by the launcher's timeout
+    held = f"is in use by another live run: process {os.getpid()} on host"
+    for rank in (0, 1):
+        error = f"[{rank}] redcoast.workdir.WorkdirInUseError: workdir {out / 'workdir'} {held}"
+        assert error in log, log
+    assert not (out / "workdir" / "metrics.jsonl").exists()
+    assert not (out / "workdir" / "ckpts").exists()

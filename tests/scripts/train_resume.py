@@ -1,16 +1,22 @@
 """Train a small dropout MLP with `rc.fit` on 8 simulated devices (mesh 4 x 2).
 
 Usage: train_resume.py WORKDIR OUT.npz [--resume] [--kill-at STEP] [--term-at STEP]
+    [--pause-at STEP] [--together DIR N]
 
 `--kill-at S` sends SIGKILL to this process when the metrics of step S are logged
 (the checkpoint of the step before has been written); `--term-at S` sends SIGTERM
-instead, which `fit` answers by saving and exiting with code 0. Without either, the
-trained parameters are written to OUT.npz.
+instead, which `fit` answers by saving and exiting with code 0; `--pause-at S`
+creates WORKDIR.paused there and sleeps until the process is killed. `--together
+DIR N` calls `fit` only once N processes given the same DIR are ready, so that
+they start it together. Without these, the trained parameters are written to
+OUT.npz. The process prints `pid P` first.
 """
 
 import argparse
 import os
 import signal
+import time
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -61,13 +67,25 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--term-at", type=int)
     parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--pause-at", type=int)
+    parser.add_argument("--together", nargs=2)
     args = parser.parse_args()
+    print(f"pid {os.getpid()}", flush=True)
 
     def interrupt(metrics: dict, step: int) -> None:
         if step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.term_at:
             os.kill(os.getpid(), signal.SIGTERM)
+        if step == args.pause_at:
+            Path(f"{args.workdir}.paused").touch()
+            time.sleep(3600)
+
+    if args.together is not None:
+        ready, n = Path(args.together[0]), int(args.together[1])
+        (ready / f"ready.{os.getpid()}").touch()
+        while len(list(ready.glob("ready.*"))) < n:
+            time.sleep(0.001)
 
     schedule = optax.linear_schedule(0.05, 0.0, args.max_steps)
     result = rc.fit(

@@ -41,6 +41,21 @@ class BARTConfig(hf.HFConfig):
 
     model_type: ClassVar[str] = "bart"
     architecture: ClassVar[str] = "BartForConditionalGeneration"
+    sizes: ClassVar[tuple[str, ...]] = (
+        "vocab_size",
+        "max_position_embeddings",
+        "d_model",
+        "encoder_layers",
+        "encoder_ffn_dim",
+        "encoder_attention_heads",
+        "decoder_layers",
+        "decoder_ffn_dim",
+        "decoder_attention_heads",
+    )
+    divides: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("encoder_attention_heads", "d_model"),
+        ("decoder_attention_heads", "d_model"),
+    )
 
     vocab_size: int = 50265
     max_position_embeddings: int = 1024
@@ -62,6 +77,7 @@ class BARTConfig(hf.HFConfig):
     forced_eos_token_id: int | None = 2
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._require(tie_word_embeddings=(self.tie_word_embeddings, True))
         activation(self.activation_function)
 

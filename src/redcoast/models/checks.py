@@ -2,8 +2,9 @@
 
 JAX clamps an out-of-range index instead of failing (`table[999]` of a 50-row
 table is row 49), so a wrong id or position would give finite, wrong logits.
-Python ints are checked at once and the error shows the value; arrays are checked
-when the computation runs, under `jit`, `vmap` and `grad` alike: with
+Python ints are checked at once and the error shows the value; NumPy arrays and
+lists before JAX converts them (`as_int_array`: 64-bit values it would wrap); JAX
+arrays when the computation runs, under `jit`, `vmap` and `grad` alike: with
 `eqx.error_if` on one device (`EQX_ON_ERROR=off` turns it off), and on several by
 a callback on every device.
 
@@ -102,3 +103,41 @@ def _error_if_on_every_device(
     )
     # The flag is always False; the select keeps the callback from being dead code.
     return jnp.where(flag, jnp.zeros_like(x), x)
+
+
+def as_int_array(x: Any, what: str) -> Array:
+    """`jnp.asarray(x)`, refusing 64-bit integers that JAX would wrap to 32 bits.
+
+    With x64 disabled (JAX's default) `jnp.asarray` turns an int64 array into int32
+    by wrapping: 2**32 + 5 arrives as 5, a valid token id. JAX arrays (and tracers)
+    are already converted and pass through.
+
+    Args:
+        x: a JAX array, or a NumPy array or nested list of ints.
+        what: names the argument in the error, e.g. `"prompt_ids"`.
+
+    Returns:
+        The JAX array.
+
+    Raises:
+        ValueError: a 64-bit integer value outside the 32-bit range.
+
+    Example:
+        >>> as_int_array(np.array([[5, 2**32 + 5]]), "prompt_ids")
+        Traceback (most recent call last):
+        ValueError: prompt_ids (int64) has values in [5, 4294967301], ...
+    """
+    if isinstance(x, jax.Array) or jax.config.read("jax_enable_x64"):
+        return jnp.asarray(x)
+    host = np.asarray(x)
+    if host.dtype in (np.int64, np.uint64) and host.size:
+        narrow = np.iinfo(np.int32 if host.dtype == np.int64 else np.uint32)
+        low, high = int(host.min()), int(host.max())
+        if low < narrow.min or high > narrow.max:
+            raise ValueError(
+                f"{what} ({host.dtype}) has values in [{low}, {high}], outside the "
+                f"{narrow.dtype} range JAX converts it to with x64 disabled: they would wrap "
+                f"around silently ({2**32 + 5} becoming 5). Token ids and lengths fit in "
+                "int32; check what produced these values."
+            )
+    return jnp.asarray(host)

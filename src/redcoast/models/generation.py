@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .causal_lm import AbstractCausalLM
-from .checks import check_range
+from .checks import as_int_array, check_range
 
 
 def _pick(
@@ -143,7 +143,7 @@ def _prompt_lengths(
     """Each prompt's length in `[1, prompt_len]`: checked now when known, else when run."""
     if prompt_lengths is None:
         return jnp.full((batch,), prompt_len, jnp.int32)
-    lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    lengths = as_int_array(prompt_lengths, "prompt_lengths").astype(jnp.int32)
     if lengths.shape != (batch,):
         raise ValueError(
             f"prompt_lengths must have shape ({batch},), one per prompt; got {lengths.shape}."
@@ -205,7 +205,8 @@ def generate(
         The new tokens, `(batch, max_new_tokens)` (the prompt not included).
 
     Raises:
-        ValueError: a bad setting, prompt_lengths outside `[1, prompt_len]`, or the
+        ValueError: a bad setting, empty prompts, prompt_lengths outside
+            `[1, prompt_len]`, 64-bit ids that JAX would wrap to 32 bits, or the
             prompt plus `max_new_tokens` longer than the model's position table.
         RuntimeError: (when the computation runs; see `checks.check_range`) traced
             prompt_lengths outside `[1, prompt_len]`, or a prompt token id outside
@@ -218,13 +219,18 @@ def generate(
         ...     m, batch["ids"], prompt_lengths=batch["length"], max_new_tokens=8)
     """
     _check_settings(max_new_tokens, temperature, key, top_k, top_p)
-    prompt = jnp.asarray(prompt_ids)
+    prompt = as_int_array(prompt_ids, "prompt_ids")
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(
             f"prompt_ids must be integer token ids of shape (batch, prompt_len); got "
             f"{prompt.dtype} of shape {prompt.shape}. For one prompt use ids[None]."
         )
     batch, prompt_len = prompt.shape
+    if prompt_len == 0:
+        raise ValueError(
+            f"prompt_ids has shape {prompt.shape}: prompts of no tokens. Each prompt needs at "
+            "least one token to continue (e.g. the tokenizer's BOS token)."
+        )
     vocab = model.vocab_size
     if eos_id is not None and not 0 <= eos_id < vocab:
         raise ValueError(f"eos_id={eos_id} is not a token id of a vocabulary of {vocab}.")

@@ -26,6 +26,15 @@ class GPT2Config(hf.HFConfig):
 
     model_type: ClassVar[str] = "gpt2"
     architecture: ClassVar[str] = "GPT2LMHeadModel"
+    sizes: ClassVar[tuple[str, ...]] = (
+        "vocab_size",
+        "n_positions",
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "n_inner",
+    )
+    divides: ClassVar[tuple[tuple[str, str], ...]] = (("n_head", "n_embd"),)
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -43,6 +52,7 @@ class GPT2Config(hf.HFConfig):
     add_cross_attention: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._require(
             scale_attn_weights=(self.scale_attn_weights, True),
             scale_attn_by_inverse_layer_idx=(self.scale_attn_by_inverse_layer_idx, False),

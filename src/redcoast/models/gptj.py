@@ -26,6 +26,16 @@ class GPTJConfig(hf.HFConfig):
 
     model_type: ClassVar[str] = "gptj"
     architecture: ClassVar[str] = "GPTJForCausalLM"
+    sizes: ClassVar[tuple[str, ...]] = (
+        "vocab_size",
+        "n_positions",
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "rotary_dim",
+        "n_inner",
+    )
+    divides: ClassVar[tuple[tuple[str, str], ...]] = (("n_head", "n_embd"),)
 
     vocab_size: int = 50400
     n_positions: int = 2048
@@ -40,6 +50,7 @@ class GPTJConfig(hf.HFConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # transformers' GPT-J keeps lm_head's bias when tying its weight; not implemented.
         self._require(tie_word_embeddings=(self.tie_word_embeddings, False))
         activation(self.activation_function)

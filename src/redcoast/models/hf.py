@@ -14,8 +14,11 @@ of `TensorMap`s; this module does the rest for all of them:
 """
 
 import dataclasses
+import functools
 import json
 import re
+import types
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -28,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import PyTree
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ..data import to_host
@@ -65,15 +68,50 @@ class HFConfig:
     ...) are kept in `extra` as JSON text, so that `to_dict` gives back what
     `from_dict` read; keeping them as text keeps the config hashable, which it must
     be as static data of a model.
+
+    Every field is checked when a config is made, whether from code or from
+    config.json: its value must have the field's type (`n_layer: "2"` and
+    `n_head: 2.0` are errors), the architecture's `sizes` must be at least 1, and
+    each pair of `divides` must divide evenly; the error names the field. An
+    architecture's own `__post_init__` calls `super().__post_init__()` first.
     """
 
     model_type: ClassVar[str] = ""
     architecture: ClassVar[str] = ""
+    # Fields that count something (layers, heads, features, positions): >= 1 when set.
+    sizes: ClassVar[tuple[str, ...]] = ()
+    # (heads, width) pairs: `width` must be a multiple of `heads`, as each head takes
+    # an equal share of the features (transformers refuses other configs too).
+    divides: ClassVar[tuple[tuple[str, str], ...]] = ()
     extra: tuple[tuple[str, str], ...] = ()
     # Not in config.json: the token table and head get rows up to a multiple of this
     # (Megatron-LM's make-vocab-size-divisible-by, 128 x model shards) so that the
     # vocabulary splits evenly; the padded logits are masked and `to_hf` drops the rows.
     vocab_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        hints = _field_types(type(self))
+        for f in dataclasses.fields(self):
+            if f.name in hints and f.name != "extra":
+                _check_type(name, f.name, getattr(self, f.name), hints[f.name])
+        for field in (*self.sizes, "vocab_multiple"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ValueError(
+                    f"{name}: {field} must be at least 1, got {value}; fix it in config.json "
+                    "(or where the config is built)."
+                )
+        for heads, width in self.divides:
+            h, w = getattr(self, heads), getattr(self, width)
+            if h is not None and w is not None and w % h:
+                fits = [d for d in range(1, w + 1) if w % d == 0]
+                raise ValueError(
+                    f"{name}: {width}={w} is not a multiple of {heads}={h} ({w} / {h} = "
+                    f"{w / h:.3g}), so the heads cannot share it equally; transformers cannot "
+                    f"build this model either. Use a {heads} that divides {w} "
+                    f"({', '.join(map(str, fits))}), or change {width}."
+                )
 
     @property
     def padded_vocab_size(self) -> int:
@@ -150,6 +188,42 @@ class HFConfig:
                 )
 
 
+# A field's type -> the Python values that have it, and how an error calls it.
+_TYPES: dict[Any, tuple[tuple[type, ...], str]] = {
+    int: ((int,), "an int"),
+    float: ((int, float), "a number"),
+    bool: ((bool,), "true or false"),
+    str: ((str,), "a string"),
+}
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_type(config: str, field: str, value: Any, hint: Any) -> None:
+    """Raise a `TypeError` naming `field` unless `value` has the type `hint` says."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = typing.get_args(hint) if union else (hint,)
+    if value is None and type(None) in options:
+        return
+    wanted = [t for t in options if t in _TYPES]
+    if not wanted:  # a type this check does not know (the extras, a tuple): not checked
+        return
+    for t in wanted:
+        # bool is an int to Python; a JSON true where a count belongs is still an error.
+        if isinstance(value, _TYPES[t][0]) and (t is bool or not isinstance(value, bool)):
+            return
+    names = [_TYPES[t][1] for t in wanted] + (["null"] if type(None) in options else [])
+    quoted = " (without quotes)" if isinstance(value, str) else ""
+    raise TypeError(
+        f"{config}: {field} must be {' or '.join(names)}, got {value!r} "
+        f"({type(value).__name__}); write it as such{quoted} in config.json, or where the "
+        "config is built."
+    )
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """Parse `config.json` from a checkpoint folder (or the file itself).
 
@@ -158,6 +232,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
     Returns:
         The JSON object.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        ValueError: the file is not JSON, or holds something other than an object;
+            the message names the file (and the line).
     """
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
@@ -167,7 +246,19 @@ def read_config(path: str | Path) -> dict[str, Any]:
             "`transformers` `save_pretrained` (or by `model.to_hf`)."
         )
     with open(file) as f:
-        return json.load(f)
+        try:
+            values = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{file} is not valid JSON: {err.msg} at line {err.lineno}, column "
+                f"{err.colno}. Repair it, or write it again with save_pretrained."
+            ) from None
+    if not isinstance(values, dict):
+        raise ValueError(
+            f"{file} holds a JSON {type(values).__name__}, not the object of settings a "
+            'config.json holds ({"model_type": ..., ...}).'
+        )
+    return values
 
 
 # --------------------------------------------------------------------------- tensor maps
@@ -286,21 +377,26 @@ class _Checkpoint:
         self.folder = folder
         self.base_prefix = base_prefix
         self.used: set[str] = set()
+        self._open: dict[Path, Any] = {}
         single, index = folder / SAFETENSORS, folder / INDEX
         if single.is_file():
-            with safe_open(single, framework="numpy") as f:
-                self.where = dict.fromkeys(f.keys(), single)
+            self.where = dict.fromkeys(self._handle(single).keys(), single)
         elif index.is_file():
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.where = {k: folder / v for k, v in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.where = {str(k): folder / v for k, v in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(
+                    f"{index} is not a safetensors index ({type(err).__name__}: {err}); it "
+                    'must be a JSON object with a "weight_map" of tensor name -> file. Write '
+                    "the checkpoint again with save_pretrained."
+                ) from None
         else:
             found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
             raise FileNotFoundError(
                 f"{folder} has neither {SAFETENSORS} nor {INDEX} (found {found}); "
                 "save the model with `save_pretrained(path)` (safetensors is the default)."
             )
-        self._open: dict[Path, Any] = {}
 
     def get(self, name: str, needed_for: str) -> np.ndarray:
         bare = name.removeprefix(self.base_prefix)
@@ -313,15 +409,32 @@ class _Checkpoint:
                 f"the checkpoint in {self.folder} has no tensor {name!r} (needed for "
                 f"{needed_for}); config.json and the safetensors file do not match."
             )
-        if file not in self._open:
-            self._open[file] = safe_open(file, framework="numpy")
-        handle = self._open[file]
+        handle = self._handle(file)
         if name not in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
             raise MissingTensorError(
                 f"{file.name} has no tensor {name!r} although {INDEX} lists it there "
                 f"(needed for {needed_for})."
             )
-        return handle.get_tensor(name)
+        try:
+            return handle.get_tensor(name)
+        except SafetensorError as err:
+            raise ValueError(f"{file}: cannot read tensor {name!r} ({err}).") from None
+
+    def _handle(self, file: Path) -> Any:
+        """The open safetensors file, with errors that name it (a truncated copy, say)."""
+        if file not in self._open:
+            if not file.is_file():
+                raise FileNotFoundError(
+                    f"{file} is missing: the checkpoint in {self.folder} lists tensors there."
+                )
+            try:
+                self._open[file] = safe_open(file, framework="numpy")
+            except SafetensorError as err:
+                raise ValueError(
+                    f"{file} is not a complete safetensors file ({err}): it may be truncated "
+                    "(an interrupted download or copy). Fetch or save it again."
+                ) from None
+        return self._open[file]
 
 
 def _layer_count(model: Any, stack: str = "blocks") -> tuple[int, bool]:
@@ -524,6 +637,14 @@ def load(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, but config.json "
                     f"implies {name} of shape {want}; the checkpoint was saved with a "
                     "different config."
+                )
+            floats = jnp.issubdtype(converted.dtype, jnp.floating)
+            if floats != jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise ValueError(
+                    f"tensor {hf_name!r} of the checkpoint in {folder} is {converted.dtype}, "
+                    f"but {cls.__name__}'s {name} is a {leaf.dtype} weight: loaded as it is, "
+                    "training would never update it. The checkpoint does not hold this "
+                    "architecture's weights; save the model's floating-point weights."
                 )
             parts.append(converted)
         host = np.stack(parts) if stacked else parts[0]

@@ -30,6 +30,21 @@ class LlamaConfig(hf.HFConfig):
 
     model_type: ClassVar[str] = "llama"
     architecture: ClassVar[str] = "LlamaForCausalLM"
+    sizes: ClassVar[tuple[str, ...]] = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    )
+    # Each key/value head serves an equal group of query heads. The hidden size need
+    # not divide by the heads: transformers takes head_dim = hidden // heads, as the zoo does.
+    divides: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("num_key_value_heads", "num_attention_heads"),
+    )
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -48,6 +63,7 @@ class LlamaConfig(hf.HFConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         activation(self.hidden_act)
 
     @classmethod

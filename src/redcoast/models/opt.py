@@ -30,6 +30,16 @@ class OPTConfig(hf.HFConfig):
 
     model_type: ClassVar[str] = "opt"
     architecture: ClassVar[str] = "OPTForCausalLM"
+    sizes: ClassVar[tuple[str, ...]] = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "ffn_dim",
+        "max_position_embeddings",
+        "num_attention_heads",
+        "word_embed_proj_dim",
+    )
+    divides: ClassVar[tuple[tuple[str, str], ...]] = (("num_attention_heads", "hidden_size"),)
 
     vocab_size: int = 50272
     hidden_size: int = 768
@@ -47,6 +57,7 @@ class OPTConfig(hf.HFConfig):
     _remove_final_layer_norm: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._require(
             do_layer_norm_before=(self.do_layer_norm_before, True),
             word_embed_proj_dim=(self.word_embed_proj_dim or self.hidden_size, self.hidden_size),

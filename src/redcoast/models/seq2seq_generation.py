@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from .checks import as_int_array
 from .seq2seq import AbstractSeq2SeqLM
 
 # transformers' "impossible" score: added to beams that must not be chosen.
@@ -244,20 +245,30 @@ def generate_seq2seq(
         EOS, `pad_token_id`.
 
     Raises:
-        ValueError: a bad setting, or a token id outside the vocabulary.
+        ValueError: a bad setting, empty sources, 64-bit ids that JAX would wrap to
+            32 bits, or a token id outside the vocabulary.
 
     Example:
         >>> new = generate_seq2seq(model, batch["src"], attention_mask=batch["mask"],
         ...                        max_new_tokens=32, num_beams=4, length_penalty=0.8)
     """
     _check(max_new_tokens, num_beams, temperature, key, early_stopping)
-    ids = jnp.asarray(input_ids)
+    ids = as_int_array(input_ids, "input_ids")
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(
             f"input_ids must be integer token ids of shape (batch, src_len); got {ids.dtype} "
             f"of shape {ids.shape}. For one source use ids[None]."
         )
-    mask = jnp.ones(ids.shape, jnp.int32) if attention_mask is None else jnp.asarray(attention_mask)
+    if ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids has shape {ids.shape}: sources of no tokens. Each source needs at "
+            "least one token (e.g. the tokenizer's EOS token)."
+        )
+    mask = (
+        jnp.ones(ids.shape, jnp.int32)
+        if attention_mask is None
+        else as_int_array(attention_mask, "attention_mask")
+    )
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask has shape {mask.shape}; input_ids has {ids.shape}.")
 

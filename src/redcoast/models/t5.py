@@ -41,6 +41,18 @@ class T5Config(hf.HFConfig):
 
     model_type: ClassVar[str] = "t5"
     architecture: ClassVar[str] = "T5ForConditionalGeneration"
+    # Heads need not divide d_model: each has d_kv features of its own.
+    sizes: ClassVar[tuple[str, ...]] = (
+        "vocab_size",
+        "d_model",
+        "d_kv",
+        "d_ff",
+        "num_layers",
+        "num_decoder_layers",
+        "num_heads",
+        "relative_attention_num_buckets",
+        "relative_attention_max_distance",
+    )
 
     vocab_size: int = 32128
     d_model: int = 512
@@ -59,6 +71,7 @@ class T5Config(hf.HFConfig):
     decoder_start_token_id: int = 0  # written out, so that transformers' generate finds it
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         parts = self.feed_forward_proj.split("-")
         if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
             raise ValueError(
