@@ -125,7 +125,8 @@ class Writer:
         self.starts, self.origins = array("q", [0]), array("i")
         self.n, self.max_id, self.meta = 0, -1, meta
 
-    def add(self, ids: Sequence[int], origin: tuple[int, int], mask: Any = None) -> None:
+    def extend(self, ids: Sequence[int], mask: Any = None) -> None:
+        """Append tokens to the current document (a long one arrives piece by piece)."""
         arr = np.asarray(ids, dtype=np.int64)
         if arr.size == 0:
             return
@@ -134,8 +135,17 @@ class Writer:
         if mask is not None:
             np.asarray(mask, dtype=np.bool_).tofile(self.files["mask"])
         self.n += arr.size
-        self.starts.append(self.n)
-        self.origins.extend(origin)
+
+    def end_document(self, origin: tuple[int, int]) -> None:
+        """Close the current document, unless it holds no token."""
+        if self.n > self.starts[-1]:
+            self.starts.append(self.n)
+            self.origins.extend(origin)
+
+    def add(self, ids: Sequence[int], origin: tuple[int, int], mask: Any = None) -> None:
+        """Append one whole document."""
+        self.extend(ids, mask)
+        self.end_document(origin)
 
     def finish(self, what: str) -> TokenFile:
         for f in self.files.values():

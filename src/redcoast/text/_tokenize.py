@@ -119,7 +119,7 @@ def _write(
     prefix, eos = tok.prefix, [tok.eos_id]
     bar = progress_bar(total, progress and is_lead(), what)
     task = None if bar is None else bar.add_task("", total=total)
-    current: list[int] = []
+    started = False  # whether the current document has written its prefix
     try:
         with bar if bar is not None else contextlib.nullcontext():
             while True:
@@ -131,14 +131,18 @@ def _write(
                         break
                 if not batch:
                     break
+                # A document's tokens go to disk piece by piece; an empty one adds nothing.
                 for (_, _, last, origin, _), ids in zip(
                     batch, tok.encode([p[1] for p in batch]), strict=True
                 ):
-                    current += ids
-                    if last:
-                        if current:
-                            writer.add(prefix + current + eos, origin)
-                        current = []
+                    if ids and not started:
+                        writer.extend(prefix)
+                        started = True
+                    writer.extend(ids)
+                    if last and started:
+                        writer.extend(eos)
+                        writer.end_document(origin)
+                        started = False
                 if bar is not None:
                     bar.advance(task, size)  # type: ignore[arg-type]
         return writer.finish(what)
