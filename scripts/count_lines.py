@@ -74,6 +74,8 @@ def local_imports(source: str) -> list[str]:
 def count() -> list[dict]:
     rows = []
     for path in sorted(EXAMPLES.glob("*.py")):
+        if path.stem.startswith("_"):  # shared code, counted with the examples importing it
+            continue
         source = path.read_text()
         own = code_lines(source)
         shared = sum(code_lines((EXAMPLES / f"{m}.py").read_text()) for m in local_imports(source))
