@@ -1,16 +1,17 @@
 """Everything redcoast reads from a jaxpr: primitive names, equation params, sub-jaxprs.
 
 JAX documents what a jaxpr is but not the params of its equations, and they change
-between releases: JAX 0.12's `scan` describes its operands with `ft_in` / `ft_out`
-where earlier releases had `num_consts` / `num_carry`, and holds its body as an
-open `Jaxpr` (`ClosedJaxpr` became an alias of it). The dataflow interpreter
-(`_dataflow.py`) and FSDP's remat policy (`fsdp.py`) read equations only through
-the functions here. Each reader either returns what it promises, checked against
-the equation's own operands and results, or raises `UnknownLayout` naming the
-primitive and what it could not read -- never a `KeyError` from deep inside a rule.
-The interpreter answers `UnknownLayout` with its conservative rule (the weights
-the equation touches are replicated, and the plan says so), so a JAX release that
-changes a layout costs a note in the plan, not a crash.
+between releases: from JAX 0.11 on, `scan` describes its operands with `ft_in` /
+`ft_out` where 0.10 had `num_consts` / `num_carry`, sub-jaxprs are open `Jaxpr`s
+(`ClosedJaxpr` became an alias of it) and `closed_call` is named `eval_jaxpr`. The
+dataflow interpreter (`_dataflow.py`) and FSDP's remat policy (`fsdp.py`) read
+equations only through the functions here. Each reader either returns what it
+promises, checked against the equation's own operands and results, or raises
+`UnknownLayout` naming the primitive and what it could not read -- never a
+`KeyError` from deep inside a rule. The interpreter answers `UnknownLayout` with its
+conservative rule (the weights the equation touches are replicated, and the plan
+says so), so a JAX release that changes a layout costs a note in the plan, not a
+crash.
 
 This is a module of its own rather than part of `_jax_private.py` because nothing
 here is private JAX: jaxprs come from `jax.make_jaxpr` and their classes from
@@ -79,7 +80,7 @@ SLICE = ("slice",)
 CALLS: Mapping[str, str] = {
     "jit": "jaxpr",
     "closed_call": "call_jaxpr",
-    "eval_jaxpr": "call_jaxpr",  # `closed_call` from JAX 0.12 on
+    "eval_jaxpr": "call_jaxpr",  # `closed_call` from JAX 0.11 on
     "remat2": "jaxpr",  # `jax.checkpoint`
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
@@ -133,8 +134,8 @@ def is_var(atom: Any) -> bool:
 def open_jaxpr(sub: Any) -> Any | None:
     """The open jaxpr (with `constvars`, `invars`, `outvars`, `eqns`) a param holds, or None.
 
-    Before JAX 0.12 sub-jaxprs were often `ClosedJaxpr`s wrapping a `Jaxpr`; from
-    0.12 on both names are one class, which carries its consts itself.
+    In JAX 0.10 sub-jaxprs are often `ClosedJaxpr`s wrapping a `Jaxpr`; from 0.11 on
+    both names are one class, which carries its consts itself.
     """
     if isinstance(sub, jcore.Jaxpr):
         return sub
@@ -171,7 +172,7 @@ def _int(value: Any) -> int | None:
 
 
 def _group_sizes(eqn: Any, param: str, groups: int) -> list[int] | None:
-    """Leaf counts of the groups of a flat-tree param (`ft_in` of JAX 0.12's scan)."""
+    """Leaf counts of the groups of a flat-tree param (`ft_in` of scan from JAX 0.11 on)."""
     tree = eqn.params.get(param)
     try:
         parts = tree.unpack()  # type: ignore[union-attr]
@@ -184,8 +185,8 @@ def _group_sizes(eqn: Any, param: str, groups: int) -> list[int] | None:
 def scan_loop(eqn: Any) -> Loop:
     """`lax.scan`'s body and its operand groups (`consts`, `carry`, `xs`).
 
-    JAX < 0.12: params `num_consts`, `num_carry`, `jaxpr` (a `ClosedJaxpr`).
-    JAX 0.12: `ft_in` (a flat tree of the three groups), `ft_out`, `jaxpr` (a `Jaxpr`).
+    JAX 0.10: params `num_consts`, `num_carry`, `jaxpr` (a `ClosedJaxpr`).
+    JAX 0.11, 0.12: `ft_in` (a flat tree of the three groups), `ft_out`, `jaxpr`.
 
     Raises:
         UnknownLayout: neither layout, or group sizes the operands contradict.
