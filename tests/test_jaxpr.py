@@ -163,6 +163,14 @@ def test_names_the_rules_match_on() -> None:
         assert names & set(group), f"JAX {jax.__version__} traced none of {group}: {names}"
 
 
+def test_combiners_are_no_calls() -> None:
+    scatter = eqn_of(
+        ("scatter-add", "scatter_add"), lambda x: jnp.zeros(9).at[jnp.arange(3)].add(x), X[0, :3]
+    )
+    assert not _jaxpr.has_sub_jaxprs(scatter)
+    assert _jaxpr.has_sub_jaxprs(eqn_of("jit", CALL_SITES["jit"], X))
+
+
 def test_checkpoint_name_and_sharding_constraint_as_remat_policies_see_them() -> None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     seen: list[tuple[str | None, bool]] = []

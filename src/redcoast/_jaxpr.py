@@ -145,11 +145,17 @@ def open_jaxpr(sub: Any) -> Any | None:
 
 
 def has_sub_jaxprs(eqn: Any) -> bool:
-    """Whether any param of the equation holds a jaxpr (directly or in a tuple)."""
+    """Whether a param of the equation holds a jaxpr (directly or in a tuple) on arrays.
+
+    A jaxpr on scalars only is a combiner (a scatter's update, a reduction's monoid)
+    applied elementwise, not a computation the equation calls on its operands.
+    """
     for value in eqn.params.values():
         items = value if isinstance(value, tuple | list) else (value,)
-        if any(open_jaxpr(v) is not None for v in items):
-            return True
+        for item in items:
+            jaxpr = open_jaxpr(item)
+            if jaxpr is not None and any(_ndim(v) for v in [*jaxpr.invars, *jaxpr.outvars]):
+                return True
     return False
 
 
