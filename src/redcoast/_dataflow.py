@@ -1,17 +1,17 @@
 """How weights feed matmuls: an abstract interpreter of jaxprs.
 
 `trace_dataflow(example_call, model)` traces `example_call(model)` with
-`jax.make_jaxpr` (abstract shapes, no FLOPs) and walks the jaxpr once, keeping
-for every value a small abstract state (`Value`): which weight it still is, which
-matmuls' outputs reach it, which of its axes carry which weight axis. Each
-primitive has a rule in `RULES`; primitives without one are treated as
-elementwise, unless they carry sub-jaxprs: those, and equations whose params
-`_jaxpr.py` cannot read (a layout a new JAX release brought), get the conservative
-rule (`conservative`): the weights they touch are replicated and the plan says
-why. The result, a `Dataflow`, says for every matmul weight which of its axes are
-contracted and which are produced, which matmuls feed it, which weights only gate
-or scale other values, and which vectors are added to which matmul's output. The
-decisions built on it live in `sharding.py`.
+`jax.make_jaxpr` (abstract shapes, no FLOPs) and walks the jaxpr once, keeping for
+every value a small abstract state (`Value`): which weight it still is, which
+matmuls' outputs reach it, which of its axes carry which weight axis. Each primitive
+has a rule in `RULES`; primitives without one are treated as elementwise, unless
+they call sub-jaxprs on arrays: those, and equations whose params `_jaxpr.py` cannot
+read (a layout a new JAX release brought), get the conservative rule
+(`conservative`): the weights they touch are replicated and the plan says why. The
+result, a `Dataflow`, says for every matmul weight which of its axes are contracted
+and which are produced, which matmuls feed it, which weights only gate or scale
+other values, and which vectors are added to which matmul's output. The decisions
+built on it live in `sharding.py`.
 
 Every primitive name and param is read through `_jaxpr.py`, never here.
 """
