@@ -1,5 +1,6 @@
-"""Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s slow`, `nox -s lint`,
-`nox -s multihost`, `nox -s bench`, `nox -s bench_peer`, `nox -s examples`."""
+"""Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s jax_matrix` (the oldest and
+newest supported Python and JAX), `nox -s slow`, `nox -s lint`, `nox -s multihost`,
+`nox -s bench`, `nox -s bench_peer`, `nox -s examples`."""
 
 from pathlib import Path
 
@@ -12,21 +13,41 @@ nox.options.sessions = ["tests", "lint"]
 SIMULATED = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
 # Two test processes: most of a test's time is XLA compiling, one core each.
 WORKERS = ("-n", "2")
+FAST = ("-m", "not slow and not multihost")
+
+# The oldest and the newest supported (Python, JAX) pairs: the bounds in pyproject.toml.
+JAX_MATRIX = [("3.11", "0.10.2"), ("3.13", "0.12.0.1")]
+# torch==2.13.0 (the `hf` extra) is a wheel on disk for Python 3.11 only; elsewhere pip
+# would download gigabytes of CUDA wheels, so other Pythons go without.
+HF_PYTHONS = ("3.11",)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
     session.install("-e", ".[test,hf]")
-    session.run(
-        "pytest", *WORKERS, "-m", "not slow and not multihost", *session.posargs, env=SIMULATED
-    )
+    session.run("pytest", *WORKERS, *FAST, *session.posargs, env=SIMULATED)
+
+
+@nox.session
+@nox.parametrize(("python", "jax"), JAX_MATRIX)
+def jax_matrix(session: nox.Session, jax: str) -> None:
+    """The fast tests on the oldest and the newest supported Python and JAX.
+
+    `nox -s jax_matrix` runs both pairs; one is `nox -s "jax_matrix(python='3.13',
+    jax='0.12.0.1')"`. Python 3.13 gets no PyTorch (see `HF_PYTHONS`), so the tests
+    that compare the zoo with `transformers` (`pytest.importorskip("torch")`) are
+    skipped there and run in the 3.11 session.
+    """
+    extras = "test,hf" if session.python in HF_PYTHONS else "test"
+    session.install("-e", f".[{extras}]", f"jax=={jax}", f"jaxlib=={jax}")
+    session.run("pytest", *WORKERS, *FAST, *session.posargs, env=SIMULATED)
 
 
 @nox.session
 def slow(session: nox.Session) -> None:
     """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI."""
-    session.install("-e", ".[test,hf]")
+    session.install("-e", ".[test,examples,hf]")
     session.run("pytest", *WORKERS, "-m", "slow and not multihost", *session.posargs, env=SIMULATED)
 
 
@@ -49,7 +70,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks in scripts/: each prints a table and writes JSON under bench-results/."""
-    session.install("-e", ".[hf]")
+    session.install("-e", ".[hf]", "datasets>=3")  # bench_text's recipe is datasets'
     for script in sorted(Path("scripts").glob("bench_*.py")):
         if script.name != "bench_peer.py":  # needs redco, which is never installed here
             session.run("python", str(script), *session.posargs, env=SIMULATED)

@@ -3,6 +3,8 @@ vectors; and one test per primitive rule of the dataflow interpreter."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -301,7 +303,15 @@ def test_rule_reduction_then_broadcast_makes_a_gate() -> None:
     assert flow.gates == {1} and flow.uses[0].taint == set()
 
 
-@pytest.mark.parametrize("kind", ["scan", "cond", "while", "remat", "jit", "custom_jvp"])
+def _custom_vjp(f: Callable[[Array, Array], Array]) -> Callable[[Array, Array], Array]:
+    wrapped = jax.custom_vjp(f)
+    wrapped.defvjp(lambda x, w: (f(x, w), None), lambda _, g: (g, None))  # only traced
+    return wrapped
+
+
+@pytest.mark.parametrize(
+    "kind", ["scan", "cond", "while", "remat", "jit", "custom_jvp", "custom_vjp"]
+)
 def test_rule_control_flow_and_calls_are_followed(kind: str) -> None:
     def layer(x: Array, w: Array) -> Array:
         return jax.nn.relu(x @ w)
@@ -315,6 +325,7 @@ def test_rule_control_flow_and_calls_are_followed(kind: str) -> None:
         "remat": jax.checkpoint,
         "jit": jax.jit,
         "custom_jvp": lambda f: lambda x, w: jax.nn.gelu(f(x, w)),
+        "custom_vjp": _custom_vjp,
     }[kind]
     flow = trace_dataflow(lambda m: layer(wrap(layer)(x, m["a"]), m["b"]), w)
     assert flow.order == [0, 1] and flow.uses[1].taint == {0}, kind

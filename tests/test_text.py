@@ -296,12 +296,15 @@ def test_donate_hands_the_model_over_without_a_second_copy():
     outside: dict[bool, int] = {}
 
     def run(donate):
+        gc.collect()
+        alive = jax.live_arrays()  # what earlier tests left, kept so no address is reused
+        before = _buffers(alive)
         given = rc.place(_gpt2(), mesh)
 
         def measure(state):
             # Device memory held beyond the loop's own model and optimizer state.
             gc.collect()
-            held = _buffers(state.model) | _buffers(state.opt_state)
+            held = _buffers(state.model) | _buffers(state.opt_state) | before
             live = _buffers(jax.live_arrays())
             outside[donate] = sum(n for p, n in live.items() if p not in held)
 
@@ -318,6 +321,7 @@ def test_donate_hands_the_model_over_without_a_second_copy():
             progress=False,
             donate=donate,
         )
+        del alive
         return jax.tree.leaves(eqx.filter(given, eqx.is_array))
 
     handed_over = run(True)

@@ -1,16 +1,19 @@
 """How weights feed matmuls: an abstract interpreter of jaxprs.
 
 `trace_dataflow(example_call, model)` traces `example_call(model)` with
-`jax.make_jaxpr` (abstract shapes, no FLOPs) and walks the jaxpr once, keeping
-for every value a small abstract state (`Value`): which weight it still is, which
-matmuls' outputs reach it, which of its axes carry which weight axis. Each
-primitive has a rule in `RULES`; primitives without one are treated as
-elementwise. The result, a `Dataflow`, says for every matmul weight which of its
-axes are contracted and which are produced, which matmuls feed it, which weights
-only gate or scale other values, and which vectors are added to which matmul's
-output. The decisions built on it live in `sharding.py`.
+`jax.make_jaxpr` (abstract shapes, no FLOPs) and walks the jaxpr once, keeping for
+every value a small abstract state (`Value`): which weight it still is, which
+matmuls' outputs reach it, which of its axes carry which weight axis. Each primitive
+has a rule in `RULES`; primitives without one are treated as elementwise, unless
+they call sub-jaxprs on arrays: those, and equations whose params `_jaxpr.py` cannot
+read (a layout a new JAX release brought), get the conservative rule
+(`conservative`): the weights they touch are replicated and the plan says why. The
+result, a `Dataflow`, says for every matmul weight which of its axes are contracted
+and which are produced, which matmuls feed it, which weights only gate or scale
+other values, and which vectors are added to which matmul's output. The decisions
+built on it live in `sharding.py`.
 
-This is the only module that touches `jax.extend.core`.
+Every primitive name and param is read through `_jaxpr.py`, never here.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
-from jax.extend import core as jcore
 
-__all__ = ["NO_USE", "RULES", "Dataflow", "Use", "Value", "trace_dataflow"]
+from . import _jaxpr
+from ._jaxpr import UnknownLayout
 
-_prims = jcore.primitives
+__all__ = ["NO_USE", "RULES", "Dataflow", "Use", "Value", "conservative", "trace_dataflow"]
 
 # Axis origin: for each axis of a value, the leaf axis it holds (None: none).
 Axes = tuple[int | None, ...]
@@ -105,7 +108,9 @@ class Dataflow:
     ties: vector leaf -> (matmul leaf, {vector axis: matmul leaf axis}) for arrays
         added to (or multiplied into) a matmul's output: they split with it.
     conflicts: leaves used in matmuls of different orientation.
-    opaque: primitives carrying sub-jaxprs whose insides were not followed.
+    opaque: primitive -> why the walk did not follow it (no rule for its sub-jaxprs, or
+        params `_jaxpr.py` cannot read); each got the conservative rule.
+    touched: weight leaf -> the opaque primitive that read it (it is replicated).
     gated: matmuls seen passing through a gate somewhere (`gates` is those of them
         whose outputs never reach a matmul's input or the result otherwise).
     reaching: matmuls whose outputs reach some matmul's input or the result.
@@ -120,7 +125,8 @@ class Dataflow:
     gates: set[int] = dataclasses.field(default_factory=set)
     ties: dict[int, tuple[int, dict[int, int]]] = dataclasses.field(default_factory=dict)
     conflicts: set[int] = dataclasses.field(default_factory=set)
-    opaque: set[str] = dataclasses.field(default_factory=set)
+    opaque: dict[str, str] = dataclasses.field(default_factory=dict)
+    touched: dict[int, str] = dataclasses.field(default_factory=dict)
     gated: set[int] = dataclasses.field(default_factory=set)
     reaching: set[int] = dataclasses.field(default_factory=set)
     stacked: dict[int, set[int]] = dataclasses.field(default_factory=dict)
@@ -145,18 +151,18 @@ def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...], axis: int) -> tup
 
 # --------------------------------------------------------------------------- axis maps
 
-# An axis map takes (params, src shape, dst shape) and gives, for every src axis, the
+# An axis map takes (equation, src shape, dst shape) and gives, for every src axis, the
 # dst axis that holds it unchanged (None when it is merged, split or dropped).
-AxisMap = Callable[[Mapping[str, Any], tuple[int, ...], tuple[int, ...]], list[int | None]]
+AxisMap = Callable[[Any, tuple[int, ...], tuple[int, ...]], list[int | None]]
 
 
-def _map_transpose(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
-    perm = list(params["permutation"])
-    return [int(perm.index(a)) for a in range(len(src))]
+def _map_transpose(eqn: Any, src: tuple, dst: tuple) -> list[int | None]:
+    perm = _jaxpr.transpose_permutation(eqn)
+    return [perm.index(a) for a in range(len(src))]
 
 
-def _map_squeeze(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
-    dropped = {int(d) % len(src) for d in params["dimensions"]}
+def _map_squeeze(eqn: Any, src: tuple, dst: tuple) -> list[int | None]:
+    dropped = set(_jaxpr.squeeze_dimensions(eqn))
     out: list[int | None] = []
     k = 0
     for a in range(len(src)):
@@ -165,12 +171,12 @@ def _map_squeeze(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int 
     return out
 
 
-def _map_broadcast(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
-    dims = params["broadcast_dimensions"]
-    return [int(d) if src[a] == dst[d] else None for a, d in enumerate(dims)]
+def _map_broadcast(eqn: Any, src: tuple, dst: tuple) -> list[int | None]:
+    dims = _jaxpr.broadcast_dimensions(eqn)
+    return [d if src[a] == dst[d] else None for a, d in enumerate(dims)]
 
 
-def _map_reshape(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
+def _map_reshape(eqn: Any, src: tuple, dst: tuple) -> list[int | None]:
     out: list[int | None] = []
     for a in range(len(src)):
         group = reshape_groups(src, dst, a)
@@ -178,17 +184,24 @@ def _map_reshape(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int 
     return out
 
 
-def _map_same(params: Mapping[str, Any], src: tuple, dst: tuple) -> list[int | None]:
+def _map_same(eqn: Any, src: tuple, dst: tuple) -> list[int | None]:
     return list(range(len(src))) if len(src) == len(dst) else [None] * len(src)
 
 
-AXIS_MAPS: dict[Any, AxisMap] = {
-    _prims.transpose_p: _map_transpose,
-    _prims.squeeze_p: _map_squeeze,
-    _prims.broadcast_in_dim_p: _map_broadcast,
-    _prims.reshape_p: _map_reshape,
-    _prims.slice_p: _map_same,
-}
+def _by_name(table: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
+    return {name: value for names, value in table.items() for name in names}
+
+
+AXIS_MAPS: dict[str, AxisMap] = _by_name(
+    {
+        _jaxpr.TRANSPOSE: _map_transpose,
+        _jaxpr.SQUEEZE: _map_squeeze,
+        _jaxpr.BROADCAST_IN_DIM: _map_broadcast,
+        _jaxpr.RESHAPE: _map_reshape,
+        _jaxpr.SLICE: _map_same,
+    }
+)
+"""Primitive name -> its axis map: ops that move, drop or add axes and keep the rest."""
 
 
 def _remap(axes: Axes, mapping: list[int | None], ndim: int) -> Axes:
@@ -212,7 +225,7 @@ class _Walk:
     def __init__(self) -> None:
         self.flow = Dataflow()
 
-    def jaxpr(self, jaxpr: jcore.Jaxpr, ins: list[Value], consts: list[Value]) -> list[Value]:
+    def jaxpr(self, jaxpr: Any, ins: list[Value], consts: list[Value]) -> list[Value]:
         env: dict[Any, Value] = {}
         for var, state in zip(jaxpr.constvars, consts, strict=True):
             env[var] = state
@@ -220,19 +233,28 @@ class _Walk:
             env[var] = state
 
         def read(atom: Any) -> Value:
-            return env.get(atom, EMPTY) if isinstance(atom, jcore.Var) else EMPTY
+            return env.get(atom, EMPTY) if _jaxpr.is_var(atom) else EMPTY
 
         for eqn in jaxpr.eqns:
-            rule = RULES.get(eqn.primitive, elementwise)
-            outs = rule(self, eqn, [read(a) for a in eqn.invars])
+            outs = self.eqn(eqn, [read(a) for a in eqn.invars])
             for var, state in zip(eqn.outvars, outs, strict=True):
                 env[var] = state
         return [read(a) for a in jaxpr.outvars]
 
-    def sub(self, sub: Any, ins: list[Value]) -> list[Value]:
-        if isinstance(sub, jcore.ClosedJaxpr):
-            return self.jaxpr(sub.jaxpr, ins, [DATA] * len(sub.jaxpr.constvars))
-        return self.jaxpr(sub, ins, [DATA] * len(sub.constvars))
+    def eqn(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        """One equation through its rule; the conservative rule when it cannot be read."""
+        rule = RULES.get(_jaxpr.name(eqn))
+        if rule is None and _jaxpr.has_sub_jaxprs(eqn):
+            why = "no rule follows its sub-jaxprs"
+            return conservative(self, eqn, ins, why)
+        try:
+            return (rule or elementwise)(self, eqn, ins)
+        except UnknownLayout as err:
+            return conservative(self, eqn, ins, err.what)
+
+    def sub(self, jaxpr: Any, ins: list[Value]) -> list[Value]:
+        """An open sub-jaxpr (from `_jaxpr`) on `ins`; its own consts are data."""
+        return self.jaxpr(jaxpr, ins, [DATA] * len(jaxpr.constvars))
 
     def fixed_point(
         self, body: Any, consts: list[Value], carry: list[Value], xs: list[Value]
@@ -251,6 +273,37 @@ class _Walk:
 Rule = Callable[[_Walk, Any, list[Value]], list[Value]]
 
 
+def conservative(walk: _Walk, eqn: Any, ins: list[Value], why: str) -> list[Value]:
+    """An equation the walk cannot read: replicate the weights it touches, note it.
+
+    Nothing is assumed about what the equation does inside: every weight among its
+    operands is recorded in `Dataflow.touched` (the plan replicates it, whatever
+    matmuls elsewhere say), the primitive and `why` in `Dataflow.opaque` (the plan
+    prints them), and its results carry every input's taint and data but no weight
+    or features, so no later decision leans on axes it cannot have followed.
+
+    Args:
+        walk: the walk.
+        eqn: the equation.
+        ins: its operands' states.
+        why: what the walk could not read, for the plan's note.
+
+    Returns:
+        The results' states.
+    """
+    name = _jaxpr.name(eqn)
+    walk.flow.opaque.setdefault(name, why)
+    for s in ins:
+        if s.weight is not None:
+            walk.flow.touched.setdefault(s.weight[0], name)
+    taint = frozenset().union(*(s.taint for s in ins))
+    data = any(s.data for s in ins)
+    return [
+        Value(taint=taint if _is_float(getattr(v.aval, "dtype", None)) else frozenset(), data=data)
+        for v in eqn.outvars
+    ]
+
+
 def _gate_out(walk: _Walk, gated: frozenset[int]) -> None:
     walk.flow.gated |= gated
 
@@ -263,12 +316,9 @@ def elementwise(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     matmuls on as gates rather than as features, and integer or boolean outputs
     (argmax, top-k indices, comparisons) carry no features at all.
     """
-    params = eqn.params
     n_out = len(eqn.outvars)
     out_shapes = [_shape(v) for v in eqn.outvars]
     in_shapes = [_shape(a) for a in eqn.invars]
-    if any(isinstance(params.get(k), jcore.ClosedJaxpr | jcore.Jaxpr) for k in params):
-        walk.flow.opaque.add(eqn.primitive.name)
     weight = _weight_passthrough(eqn, ins, in_shapes, out_shapes)
     if weight is not None:
         return [Value(weight=weight)] + [EMPTY] * (n_out - 1)
@@ -285,10 +335,11 @@ def elementwise(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
         taint = frozenset().union(*(s.taint for s in ins)) if ins else frozenset()
     _tie(walk, eqn, ins, in_shapes, out_shapes)
     feat = _feat(walk, eqn, ins, in_shapes, out_shapes)
-    if eqn.primitive is _prims.broadcast_in_dim_p:
+    name = _jaxpr.name(eqn)
+    if name in _jaxpr.BROADCAST_IN_DIM:
         # An activation broadcast up to a larger shape scales or shifts what it meets.
         bcast = math.prod(out_shapes[0]) > math.prod(in_shapes[0]) and bool(ins[0].taint)
-    elif eqn.primitive in AXIS_MAPS:
+    elif name in AXIS_MAPS:
         bcast = False
     else:
         bcast = any(s.bcast for s in ins) and all(s.bcast or not (s.data or s.taint) for s in ins)
@@ -327,9 +378,9 @@ def _weight_passthrough(
     assert weight is not None
     leaf, axes = weight
     src, dst = in_shapes[k], out_shapes[0]
-    axis_map = AXIS_MAPS.get(eqn.primitive)
+    axis_map = AXIS_MAPS.get(_jaxpr.name(eqn))
     if axis_map is not None:
-        return leaf, _remap(axes, axis_map(eqn.params, src, dst), len(dst))
+        return leaf, _remap(axes, axis_map(eqn, src, dst), len(dst))
     if src == dst and len(ins) <= 3:
         # casts, copies and elementwise ops with constants (w * scale)
         return leaf, axes
@@ -351,17 +402,17 @@ def _feat(
     assert feat is not None
     leaf, axes = feat
     src, dst = in_shapes[k], out_shapes[0]
-    axis_map = AXIS_MAPS.get(eqn.primitive)
+    axis_map = AXIS_MAPS.get(_jaxpr.name(eqn))
     if axis_map is None:
         return feat if src == dst else None
-    if eqn.primitive is _prims.reshape_p:
+    if _jaxpr.name(eqn) in _jaxpr.RESHAPE:
         use = walk.flow.uses.get(leaf)
         for a, leaf_axis in enumerate(axes):
             group = reshape_groups(src, dst, a)
             if use and leaf_axis in use.out_axes and group and group[1] - group[0] > 1:
                 # The reshape that splits a matmul's output features reads its heads.
                 walk.flow.heads.setdefault(leaf, math.prod(dst[group[0] : group[1] - 1]))
-    return leaf, _remap(axes, axis_map(eqn.params, src, dst), len(dst))
+    return leaf, _remap(axes, axis_map(eqn, src, dst), len(dst))
 
 
 def _tie(
@@ -391,7 +442,7 @@ def _tie(
 def dot_general(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     """A matmul: record how the weight operand is used; its output carries its features."""
     lhs, rhs = ins
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = _jaxpr.dot_dimensions(eqn)
     out_shape = _shape(eqn.outvars[0])
     if (lhs.weight is None) == (rhs.weight is None):
         return [_activation_dot(walk, lhs, rhs, (lc, rc))]
@@ -463,8 +514,7 @@ def conv_general_dilated(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]
     if rhs.weight is None or lhs.weight is not None:
         return elementwise(walk, eqn, ins)
     leaf, axes = rhs.weight
-    dn = eqn.params["dimension_numbers"]
-    out_spec, in_spec = dn.rhs_spec[0], dn.rhs_spec[1]
+    out_spec, in_spec, feature = _jaxpr.conv_channels(eqn)
     out_axis, in_axis = axes[out_spec], axes[in_spec]
     flow = walk.flow
     if leaf not in flow.uses:
@@ -481,7 +531,7 @@ def conv_general_dilated(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]
     flow.reaching |= lhs.taint
     ndim = len(_shape(eqn.outvars[0]))
     feat: list[int | None] = [None] * ndim
-    feat[dn.out_spec[1]] = out_axis
+    feat[feature] = out_axis
     return [Value(taint=frozenset({leaf}), data=lhs.data, feat=(leaf, tuple(feat)))]
 
 
@@ -495,7 +545,7 @@ def lookup(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     if by_data:
         elems = math.prod(_shape(eqn.outvars[0]))
         walk.flow.looked_up[leaf] = walk.flow.looked_up.get(leaf, 0) + elems
-    if eqn.primitive is _prims.dynamic_slice_p and not by_data:
+    if _jaxpr.name(eqn) in _jaxpr.DYNAMIC_SLICE and not by_data:
         # A loop indexing stacked layers (w[i]) keeps the weight.
         return [Value(weight=(leaf, axes))]
     # Looked-up rows are whole (a vocabulary-split table is all-reduced), whatever
@@ -518,65 +568,51 @@ def _stack_leading(s: Value) -> Value:
 
 def scan(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     """`lax.scan`: the body sees one slice of each `xs`; carries iterate to a fixed point."""
-    params = eqn.params
-    nconst, ncarry = params["num_consts"], params["num_carry"]
+    loop = _jaxpr.scan_loop(eqn)
+    nconst, ncarry = loop.n_consts, loop.n_carry
     consts, carry, xs = ins[:nconst], ins[nconst : nconst + ncarry], ins[nconst + ncarry :]
     for s in xs:
         if s.weight is not None and s.weight[1] and s.weight[1][0] is not None:
             walk.flow.stacked.setdefault(s.weight[0], set()).add(s.weight[1][0])
-    outs = walk.fixed_point(params["jaxpr"], consts, carry, [_slice_leading(s) for s in xs])
+    outs = walk.fixed_point(loop.body, consts, carry, [_slice_leading(s) for s in xs])
     return outs[:ncarry] + [_stack_leading(s) for s in outs[ncarry:]]
 
 
 def while_loop(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     """`lax.while_loop`: the body's carries iterate to a fixed point."""
-    params = eqn.params
-    nc, nb = params["cond_nconsts"], params["body_nconsts"]
-    body_consts, carry = ins[nc : nc + nb], ins[nc + nb :]
-    return walk.fixed_point(params["body_jaxpr"], body_consts, carry, [])
+    loop = _jaxpr.while_loop(eqn)
+    start = loop.skip + loop.n_consts
+    return walk.fixed_point(loop.body, ins[loop.skip : start], ins[start:], [])
 
 
 def cond(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     """`lax.cond` / `switch`: every branch is followed and their results joined."""
     outs: list[Value] | None = None
-    for branch in eqn.params["branches"]:
+    for branch in _jaxpr.cond_branches(eqn):
         res = walk.sub(branch, ins[1:])
         outs = res if outs is None else [_join(a, b) for a, b in zip(outs, res, strict=True)]
     return outs or [EMPTY] * len(eqn.outvars)
 
 
-def call(param: str) -> Rule:
-    """A rule for primitives that call a sub-jaxpr held in `param` on their operands."""
-
-    def rule(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
-        sub = eqn.params.get(param)
-        inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
-        if (
-            isinstance(inner, jcore.Jaxpr)
-            and len(inner.invars) == len(ins)
-            and len(inner.outvars) == len(eqn.outvars)
-        ):
-            return walk.sub(sub, ins)
-        walk.flow.opaque.add(eqn.primitive.name)
-        return elementwise(walk, eqn, ins)
-
-    return rule
+def call(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
+    """`jit`, `checkpoint`, custom derivatives: the sub-jaxpr they call on their operands."""
+    return walk.sub(_jaxpr.called_jaxpr(eqn), ins)
 
 
-RULES: dict[Any, Rule] = {
-    _prims.dot_general_p: dot_general,
-    _prims.conv_general_dilated_p: conv_general_dilated,
-    _prims.gather_p: lookup,
-    _prims.dynamic_slice_p: lookup,
-    _prims.scan_p: scan,
-    _prims.while_p: while_loop,
-    _prims.cond_p: cond,
-    _prims.jit_p: call("jaxpr"),
-    _prims.closed_call_p: call("call_jaxpr"),
-    _prims.remat_p: call("jaxpr"),
-    _prims.custom_jvp_call_p: call("call_jaxpr"),
-    _prims.custom_vjp_call_p: call("call_jaxpr"),
-}
+RULES: dict[str, Rule] = _by_name(
+    {
+        _jaxpr.DOT_GENERAL: dot_general,
+        _jaxpr.CONV: conv_general_dilated,
+        _jaxpr.GATHER: lookup,
+        _jaxpr.DYNAMIC_SLICE: lookup,
+        _jaxpr.SCAN: scan,
+        _jaxpr.WHILE: while_loop,
+        _jaxpr.COND: cond,
+        tuple(_jaxpr.CALLS): call,
+    }
+)
+"""Primitive name -> its rule; any other primitive is `elementwise`, or `conservative`
+when it carries sub-jaxprs."""
 
 
 def trace_dataflow(example_call: Callable[[Any], Any], model: Any) -> Dataflow:
@@ -613,10 +649,14 @@ def trace_dataflow(example_call: Callable[[Any], Any], model: Any) -> Dataflow:
             "`example_call=lambda m: jax.vmap(m)(x)` or `lambda m: loss_fn(m, batch, key)`."
         ) from err
     walk = _Walk()
-    jaxpr = closed.jaxpr
-    ins = [Value(weight=(i, tuple(range(len(leaf.shape))))) for i, leaf in enumerate(leaves)]
-    outs = walk.jaxpr(jaxpr, ins, [DATA] * len(jaxpr.constvars))
     flow = walk.flow
+    jaxpr = _jaxpr.open_jaxpr(closed)
+    if jaxpr is None:  # nothing to walk: everything is replicated, and the plan says why
+        flow.opaque["make_jaxpr"] = f"it returned a {type(closed).__name__}, not a jaxpr"
+        flow.touched = dict.fromkeys(range(len(leaves)), "make_jaxpr")
+        return flow
+    ins = [Value(weight=(i, tuple(range(len(leaf.shape))))) for i, leaf in enumerate(leaves)]
+    outs = walk.sub(jaxpr, ins)
     for state in outs:
         flow.reaching |= state.taint
     flow.gates = {leaf for leaf in flow.gated if leaf not in flow.reaching}

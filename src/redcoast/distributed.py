@@ -33,6 +33,8 @@ from typing import Any, NoReturn
 
 import jax
 
+from ._jax_private import backends_are_initialized, coordination_client
+
 __all__ = [
     "DEFAULT_HEARTBEAT_SECONDS",
     "EXIT_PEER_LOST",
@@ -349,9 +351,7 @@ def initialize(
 def _check_backend_not_started(config: DistributedConfig) -> None:
     # jax.distributed.initialize must come before JAX creates its backend; its own
     # error does not say which call came first or what redcoast expected.
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if backends_are_initialized():
         raise RuntimeError(
             f"redcoast: the environment asks for {config.num_processes} processes (from "
             f"{config.source}; this is process {config.process_id}), but JAX has already "
@@ -360,14 +360,6 @@ def _check_backend_not_started(config: DistributedConfig) -> None:
             "started. Call rc.distributed.initialize() (or rc.make_mesh) at the top of the "
             "script, before any other JAX call."
         )
-
-
-def _coordination_client() -> Any:
-    # jax.distributed keeps its client private; its key-value store is the one
-    # channel every process already shares with the coordinator.
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.client
 
 
 def _names(ranks: Sequence[int]) -> str:
@@ -424,7 +416,9 @@ def _watch_peers(config: DistributedConfig, timeout: float) -> None:
     `timeout` and `timeout + 2 * interval` after its last beat, and every survivor
     has stopped `2 * interval` later: within 1.4 x `timeout` in all.
     """
-    client = _coordination_client()
+    # jax.distributed keeps its client private; its key-value store is the one
+    # channel every process already shares with the coordinator.
+    client = coordination_client()
     rank, n = config.process_id, config.num_processes
     interval = min(5.0, max(0.2, timeout / 10))
     stopping = threading.Event()

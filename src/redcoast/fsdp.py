@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from . import _jaxpr
 from .mesh import DATA
 from .rematerialisation import remat
 
@@ -171,9 +172,9 @@ def gathered(tree: PyTree) -> PyTree:
 def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
     # Neither the named weight nor the layout changes that made it: saving the
     # constraint's output would keep the same whole weight under another name.
-    if prim.name == "sharding_constraint":
+    if _jaxpr.is_sharding_constraint(prim):
         return False
-    return not (prim.name == "name" and params.get("name") == GATHERED)
+    return _jaxpr.checkpoint_name(prim, params) != GATHERED
 
 
 def remat_policy() -> Any:

@@ -530,10 +530,14 @@ def _plan_dataflow(
     """
     flow = trace_dataflow(example_call, model)
     notes: list[str] = []
-    if flow.opaque:
+    for prim, why in sorted(flow.opaque.items()):
+        read = sorted(paths[leaf] for leaf, p in flow.touched.items() if p == prim)
         notes.append(
-            f"the trace contains {sorted(flow.opaque)} whose insides were not followed; "
-            "matmuls inside them were not seen"
+            f"the dataflow interpreter could not follow `{prim}` ({why}): matmuls inside it "
+            f"were not seen and the {len(read)} weight(s) it reads are replicated"
+            + (f" ({', '.join(read[:4])}{', ...' if len(read) > 4 else ''})" if read else "")
+            + "; to split them, give their specs in overrides= (or use a redcoast that "
+            "knows this JAX release)"
         )
     index = {p: i for i, p in enumerate(paths)}
     heads = dict(flow.heads)
@@ -542,16 +546,24 @@ def _plan_dataflow(
             heads[index[wpath]] = count
 
     fixed = {i: _from_spec(spec, flow.uses.get(i), pat) for i, (pat, spec) in overrides.items()}
+    # What an equation the interpreter cannot follow reads is replicated before the rules
+    # run, like an override (and an override still wins).
+    why = "read by `{}`, which the dataflow interpreter cannot follow"
+    forced = {
+        leaf: _Decision(REP, None, why.format(prim))
+        for leaf, prim in flow.touched.items()
+        if leaf not in fixed
+    }
     emb = {
         i: d
         for i, d in _embedding_decisions(flow, info, paths, shapes, n).items()
-        if i not in fixed
+        if i not in fixed and i not in forced
     }
-    decided: dict[int, _Decision] = {**emb, **fixed}
+    decided: dict[int, _Decision] = {**emb, **fixed, **forced}
     for _ in range(8):
         changed = False
         for leaf in flow.order:
-            if leaf in emb or leaf in fixed:
+            if leaf in emb or leaf in fixed or leaf in forced:
                 continue
             d = _matmul_decision(leaf, flow, decided, info, paths, shapes, heads, n)
             if decided.get(leaf) != d:
@@ -561,7 +573,7 @@ def _plan_dataflow(
             break
     else:
         notes.append("the dataflow rules did not settle after 8 passes; the last pass is used")
-    _expert_groups(flow, decided, fixed, paths, shapes, n)
+    _expert_groups(flow, decided, fixed | forced, paths, shapes, n)
     for leaf in sorted(flow.conflicts):
         notes.append(
             f"{paths[leaf]} is used in matmuls of different orientation; the first one decided"
