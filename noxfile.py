@@ -25,6 +25,10 @@ HF_PYTHONS = ("3.11",)
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
+    session.log(
+        "installing redcoast with its test and hf extras: JAX, PyTorch (CPU), transformers, "
+        "datasets (about 2 GB, a few minutes the first time; later runs reuse .nox/tests)"
+    )
     session.install("-e", ".[test,hf]")
     session.run("pytest", *WORKERS, *FAST, *session.posargs, env=SIMULATED)
 

@@ -56,14 +56,23 @@ def test_example_runs_through_the_cli(name, tmp_path):
     assert all(isinstance(v, float) for v in metrics.values())
 
 
-def test_demo_prints_the_plan_a_sample_and_metrics(tmp_path):
-    result = CliRunner().invoke(main, ["demo", "--max-steps", "2", "--workdir", str(tmp_path)])
-    assert result.exit_code == 0, result.output
-    assert "sharding plan: 2 model shard(s)" in result.output
-    assert "bytes per device" in result.output
-    assert "sample:" in result.output
-    assert "val_nats_per_byte" in result.output
-    assert (tmp_path / "metrics.jsonl").is_file()
+def test_demo_prints_the_plan_a_sample_and_metrics_and_runs_again(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):  # a second demo is a fresh run in a folder of its own
+        result = CliRunner().invoke(main, ["demo", "--max-steps", "1"])
+        assert result.exit_code == 0, result.output
+        assert "sharding plan: 2 model shard(s)" in result.output
+        assert "bytes per device" in result.output
+        assert "sample:" in result.output
+        assert "val_nats_per_byte" in result.output
+    runs = sorted((tmp_path / "runs" / "demo").iterdir())
+    assert len(runs) == 2 and all((r / "metrics.jsonl").is_file() for r in runs)
+    for devices in ("0", "-1"):
+        bad = CliRunner().invoke(main, ["demo", "--devices", devices])
+        assert bad.exit_code == 2 and "is not in the range x>=1" in bad.output
+    held = CliRunner().invoke(main, ["demo", "--max-steps", "1", "--workdir", str(runs[0])])
+    assert held.exit_code == 1 and "already holds a run" in held.output
+    assert "Traceback" not in held.output
 
 
 def test_every_example_has_a_smoke_test():

@@ -385,3 +385,12 @@ def test_logger_sinks(tmp_path, monkeypatch):
     path = tmp_path / "m.jsonl"
     rc.jsonl_logger(path)({"loss": float("nan")}, 2)
     assert _read_jsonl(path) == [{"step": 2, "loss": "nan"}]
+
+
+def test_fit_ends_with_one_line_on_the_run(capsys):
+    kwargs = dict(collate_fn=collate_fn, loss_fn=loss_fn, per_device_batch_size=4, max_steps=3)
+    rc.fit(_mlp(), optax.adam(1e-2), _toy(64), log_every=1, **kwargs)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("redcoast: 3 steps in ") and ": loss " in line and "grad_norm" in line
+    rc.fit(_mlp(), optax.adam(1e-2), _toy(64), progress=False, **kwargs)
+    assert "redcoast:" not in capsys.readouterr().out

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +16,7 @@ import click
 
 from . import __version__
 from .planner import PRECISIONS, REMATS
+from .workdir import WorkdirInUseError
 
 
 def _simulate_devices(n: int) -> None:
@@ -33,6 +35,16 @@ def _simulate_devices(n: int) -> None:
             raise click.ClickException(
                 f"cannot simulate {n} devices: JAX already started with {jax.device_count()}."
             ) from err
+
+
+def _fresh_folder(parent: Path) -> str:
+    """A folder under `parent` that does not exist yet, named by the time: `run-20261125-103000`."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = parent / f"run-{stamp}", 1
+    while path.exists():
+        n += 1
+        path = parent / f"run-{stamp}-{n}"
+    return str(path)
 
 
 def _examples_dir() -> Path:
@@ -163,7 +175,8 @@ def _run_example(
     module = _load_example(name)
     try:
         metrics = module.main(**kwargs)
-    except (ValueError, FloatingPointError) as err:  # raised for bad options by redcoast
+    # What redcoast raises for bad options, or for a workdir that holds another run.
+    except (ValueError, FloatingPointError, FileExistsError, WorkdirInUseError) as err:
         raise click.ClickException(f"{name}: {err}") from err
     _print_metrics(metrics)
     if metrics_json is not None:
@@ -241,17 +254,41 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--devices", default=8, show_default=True, help="Simulated CPU devices.")
-@click.option("--n-model-shards", default=2, show_default=True, help="Tensor-parallel shards.")
-@click.option("--max-steps", default=300, show_default=True, help="Optimizer steps to train.")
-@click.option("--workdir", default="runs/demo", show_default=True, help="Logs and outputs.")
-def demo(devices: int, n_model_shards: int, max_steps: int, workdir: str) -> None:
+@click.option(
+    "--devices",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Simulated CPU devices.",
+)
+@click.option(
+    "--n-model-shards",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Tensor-parallel shards.",
+)
+@click.option(
+    "--max-steps",
+    type=click.IntRange(min=1),
+    default=300,
+    show_default=True,
+    help="Optimizer steps to train.",
+)
+@click.option(
+    "--workdir", default=None, help="Logs and outputs  [default: a new folder under runs/demo]"
+)
+def demo(devices: int, n_model_shards: int, max_steps: int, workdir: str | None) -> None:
     """Train a small byte-level language model on Python's own docs, tensor parallel.
 
     Runs examples/language_modeling.py on simulated CPU devices: the model is split
     across `--n-model-shards` devices and the batch across the rest. Prints the
     sharding plan's summary, a progress bar, a generated sample and the metrics.
+    Each run gets a folder of its own under runs/demo unless `--workdir` names one.
     """
+    if workdir is None:
+        workdir = _fresh_folder(Path("runs/demo"))
+        click.echo(f"workdir: {workdir}")
     _run_example(
         "language_modeling",
         devices,

@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, ParamSpec
@@ -351,6 +352,18 @@ def _report_stop(run: _Run, state: LoopState) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def _summary(state: LoopState, history: dict[str, Any], seconds: float) -> str:
+    """One line on how the run ended: steps, time, and the last logged metrics."""
+    shown = ("loss", "grad_norm", "lr")
+    last = history["train"][-1] if history["train"] else {}
+    parts = [f"{k} {last[k]:.4g}" for k in shown if isinstance(last.get(k), float)]
+    if history["eval"]:
+        evals = history["eval"][-1]
+        parts += [f"{k} {v:.4g}" for k, v in evals.items() if k.startswith("eval_")]
+    metrics = f": {', '.join(parts)}" if parts else ""
+    return f"redcoast: {state.step} steps in {seconds:.1f} s{metrics}"
 
 
 # ----------------------------------------------------------------------------- fit's hooks
@@ -746,7 +759,8 @@ def fit(
             with (setting `stop` ends the run after a checkpoint). In a
             multi-process run every process must take the same decisions.
         loggers: callables `(metrics, step) -> None`, called on process 0.
-        progress: show a progress bar on process 0.
+        progress: show a progress bar on process 0, and one line at the end: steps,
+            seconds and the last logged metrics.
         log_every: fetch metrics from the devices and log every this many steps (and
             at epoch ends, evaluations and checkpoints).
         on_nonfinite: the step checks the loss, the gradient norm and the updated
@@ -779,6 +793,7 @@ def fit(
         ...              checkpointing=Checkpointing(every=500, keep_last_n=3))
         >>> result.history["eval"][-1]["eval_accuracy"]
     """
+    started = time.perf_counter()
     options = (n_epochs, max_steps, log_every, on_nonfinite, workdir, checkpointing)
     _check_options(*options, resume=resume, overwrite=overwrite)
     check_precision(precision)
@@ -873,6 +888,8 @@ def fit(
             if run.lead:
                 close_loggers(sinks)
     _report_stop(run, state)
+    if progress and run.lead:
+        print(_summary(state, history, time.perf_counter() - started), flush=True)
     if state.best is not None and (state.best.value is not None or history["eval"]):
         history["best"] = dataclasses.asdict(state.best)
     return FitResult(state.model, state.opt_state, state.step, history, stopped_by=state.stop)
