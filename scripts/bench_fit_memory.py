@@ -9,7 +9,7 @@ layers, TP x FSDP over 8 devices), then a few AdamW steps on random token rows
 - through `rc.fit` as it is, which keeps the model it was given valid (a copy);
 - through a loop of `rc.train_step`, the step alone.
 
-Usage: python scripts/bench_fit_memory.py [--model gpt2-large] [--steps 3]
+Usage: python scripts/bench_fit_memory.py [--model gpt2-medium] [--steps 3] [--rows ROW ...]
 """
 
 import argparse
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 ROWS = ("plan", "fit(donate=True)", "fit", "train_step loop")
-OUT = Path("bench-results/bench_fit_memory.json")
+RESULTS = Path("bench-results")
 
 
 def child(row: str, model: str, n_model: int, seq_len: int, steps: int) -> dict[str, float]:
@@ -102,17 +102,20 @@ def run_row(row: str, args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2-large")
+    parser.add_argument("--model", default="gpt2-medium")
     parser.add_argument("--n-model-shards", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--child", choices=ROWS)
+    parser.add_argument(
+        "--rows", nargs="+", choices=ROWS[1:], default=ROWS[1:], help="which runs (default: all)"
+    )
     args = parser.parse_args()
     if args.child:
         figures = child(args.child, args.model, args.n_model_shards, args.seq_len, args.steps)
         print(json.dumps(figures))
         return
-    results = {row: run_row(row, args) for row in ROWS}
+    results = {row: run_row(row, args) for row in ("plan", *args.rows)}
     planned = 8 * results["plan"]["peak"]
     gb = 1e9
     print(
@@ -123,14 +126,15 @@ def main() -> None:
     )
     print("| run | peak host memory | ÷ 8 x planned peak | process before the model | last loss |")
     print("|---|---|---|---|---|")
-    for row in ROWS[1:]:
+    for row in args.rows:
         r = results[row]
         print(
             f"| {row} | {r['peak_rss'] / gb:.2f} GB | {r['peak_rss'] / planned:.3f} | "
             f"{r['base_rss'] / gb:.2f} GB | {r['loss_last']:.4f} |"
         )
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"bench_fit_memory_{args.model}.json"
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -328,12 +328,21 @@ def test_uneven_layers_fall_back_to_the_other_dimension() -> None:
     specs = paths_and_specs(plan.specs)
     assert specs["layers.0.weight"] == P("model", None)
     assert specs["layers.1.weight"] == P(None, "model")
+    # A small layer whose outputs do not divide stays replicated: the two collectives a
+    # step of the other split cost more (their latency) than the 2 KB it would save.
     model = DeepMLP((64, 10, 64), key=jax.random.key(0))
     plan = rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(jnp.ones((2, 64))))
     specs = paths_and_specs(plan.specs)
-    assert specs["layers.0.weight"] == P(None, "model")  # 10 outputs: fell back to rows
-    assert "fell back to row" in str(plan)
-    assert specs["layers.1.weight"] == P("model", None)  # its input is whole again
+    assert specs["layers.0.weight"] == P()
+    assert "would add 2 collectives a step" in str(plan)
+    assert specs["layers.1.weight"] == P("model", None)
+    # A large one falls back to the other dimension (shapes only: nothing is allocated).
+    big = eqx.filter_eval_shape(DeepMLP, (4096, 1002, 4096), key=jax.random.key(0))
+    plan = rc.sharding_plan(big, 4, example_call=lambda m: jax.vmap(m)(jnp.ones((2, 4096))))
+    leaves = {leaf.path: leaf for leaf in plan.leaves}
+    assert leaves["layers.0.weight"].spec == P(None, "model")  # 1002 outputs: rows instead
+    assert "fell back to row" in leaves["layers.0.weight"].reason
+    assert leaves["layers.1.weight"].spec == P("model", None)  # its input is whole again
 
 
 def test_example_call_that_raises_is_a_clear_error() -> None:

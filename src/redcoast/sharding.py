@@ -22,8 +22,8 @@ router, an adaLN modulation) is replicated and never makes a later input split;
 overrides are fixed before the rules run, so what reads an overridden weight
 follows from it; stacked experts take one expert axis per mixture, expert-
 parallel or Megatron within experts, by estimated cost; a size that does not
-divide falls back to the other dimension only when that moves fewer bytes than
-replication keeps; vectors added to a matmul's output split with it. Every
+divide falls back to the other dimension only when that saves more bytes than it
+moves, a collective's latency counted; vectors added to a matmul's output split with it. Every
 fallback, default or guess is listed as a note at the end of the plan.
 """
 
@@ -284,6 +284,11 @@ class _Decision:
     guess: bool = False
 
 
+# What a collective's fixed latency is worth in bytes moved: about 10 us at the
+# ~100 GB/s of NVLink or TPU ICI. A split that adds collectives must save more.
+COLLECTIVE_LATENCY_BYTES = 1 << 20
+
+
 def _decide(
     want: str,
     shape: tuple[int, ...],
@@ -300,8 +305,11 @@ def _decide(
 
     `comm_bytes` estimates what splitting on the other dimension adds per step (the
     matmul's input and output moved once each); replication adds nothing but keeps
-    `(1 - 1/n)` of the weight's bytes on every device. The other dimension is used
-    only when it saves more bytes than it moves.
+    `(1 - 1/n)` of the weight's bytes on every device. A split on the other dimension
+    also adds two collectives a step (forward and backward), and a collective costs a
+    fixed latency however small it is (`COLLECTIVE_LATENCY_BYTES` each), so the other
+    dimension is used only when it saves more bytes than it moves, latency counted:
+    small weights (a classifier's head) stay replicated, as Megatron-LM keeps them.
     """
 
     def col() -> _Decision | None:
@@ -331,12 +339,14 @@ def _decide(
     if got is None:
         return _Decision(REP, None, f"no dimension of {shape} divides {n}", True)
     saved = math.prod(shape) * itemsize * (1 - 1 / n)
-    if comm_bytes is not None and comm_bytes > saved:
+    cost = None if comm_bytes is None else comm_bytes + 2 * COLLECTIVE_LATENCY_BYTES
+    if cost is not None and cost > saved:
         return _Decision(
             REP,
             None,
-            f"{want} split wanted but {dim} does not divide {n}; a {got.kind} split would move "
-            f"~{_fmt_bytes(comm_bytes)} per step to save {_fmt_bytes(saved)}: replicated ({why})",
+            f"{want} split wanted but {dim} does not divide {n}; a {got.kind} split would add "
+            f"2 collectives a step (~{_fmt_bytes(cost)} with their latency) to save "
+            f"{_fmt_bytes(saved)} per device: replicated ({why})",
             True,
         )
     return dataclasses.replace(
