@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from einops import rearrange, repeat
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
@@ -332,10 +333,9 @@ class Attention(eqx.Module):
     ]:
         # Split into heads right after each projection: the sharding rules read the
         # head count from this reshape.
-        seq = x.shape[0]
-        q = dense(self.q_proj, x).reshape(seq, self.num_heads, self.head_dim)
-        k = dense(self.k_proj, x).reshape(seq, self.num_kv_heads, self.head_dim)
-        v = dense(self.v_proj, x).reshape(seq, self.num_kv_heads, self.head_dim)
+        q = rearrange(dense(self.q_proj, x), "s (h d) -> s h d", h=self.num_heads)
+        k = rearrange(dense(self.k_proj, x), "s (h d) -> s h d", h=self.num_kv_heads)
+        v = rearrange(dense(self.v_proj, x), "s (h d) -> s h d", h=self.num_kv_heads)
         if self.rotary_dim:
             q = self._rotate(q, positions)
             k = self._rotate(k, positions)
@@ -349,14 +349,14 @@ class Attention(eqx.Module):
         visible: Bool[Array, "seq kv_seq"],
     ) -> Float[Array, "seq hidden"]:
         group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k = jnp.repeat(k, group, axis=1)
-            v = jnp.repeat(v, group, axis=1)
+        if group > 1:  # each key/value head serves `group` query heads in a row
+            k = repeat(k, "s h d -> s (h g) d", g=group)
+            v = repeat(v, "s h d -> s (h g) d", g=group)
         scores = jnp.einsum("thd,shd->hts", q, k) / math.sqrt(self.head_dim)
         # Softmax in float32 whatever the weights' dtype, as every HF implementation does.
         scores = jnp.where(visible[None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("hts,shd->thd", weights, v).reshape(q.shape[0], -1)
+        out = rearrange(jnp.einsum("hts,shd->thd", weights, v), "t h d -> t (h d)")
         return dense(self.o_proj, out)
 
     def _rotate(

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
@@ -86,9 +87,9 @@ class Seq2SeqAttention(eqx.Module):
 
     def keys_values(self, source: Float[Array, "src hidden"]) -> KVCache:
         """The keys and values of `source`, split into heads (where the rules read the count)."""
-        shape = (source.shape[0], self.num_heads, self.head_dim)
-        key = jax.vmap(self.k_proj)(source).reshape(shape)
-        return KVCache(key, jax.vmap(self.v_proj)(source).reshape(shape))
+        key = rearrange(jax.vmap(self.k_proj)(source), "s (h d) -> s h d", h=self.num_heads)
+        value = rearrange(jax.vmap(self.v_proj)(source), "s (h d) -> s h d", h=self.num_heads)
+        return KVCache(key, value)
 
     def __call__(
         self,
@@ -98,8 +99,7 @@ class Seq2SeqAttention(eqx.Module):
         bias: Float[Array, "heads seq src"] | None = None,
     ) -> Float[Array, "seq hidden"]:
         """Attend from each position of `x` to the visible slots of `memory`."""
-        seq = x.shape[0]
-        q = jax.vmap(self.q_proj)(x).reshape(seq, self.num_heads, self.head_dim)
+        q = rearrange(jax.vmap(self.q_proj)(x), "s (h d) -> s h d", h=self.num_heads)
         scores = jnp.einsum("thd,shd->hts", q, memory.key.astype(q.dtype)) * self.scale
         # Softmax in float32 whatever the weights' dtype, as transformers does.
         scores = scores.astype(jnp.float32)
@@ -108,7 +108,7 @@ class Seq2SeqAttention(eqx.Module):
         scores = jnp.where(visible[None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         out = jnp.einsum("hts,shd->thd", weights, memory.value.astype(q.dtype))
-        return jax.vmap(self.o_proj)(out.reshape(seq, -1))
+        return jax.vmap(self.o_proj)(rearrange(out, "t h d -> t (h d)"))
 
 
 def _pre(x: Float[Array, "seq hidden"], norm: Norm, post_norm: bool) -> Float[Array, "seq hidden"]:
