@@ -11,6 +11,7 @@ for).
 
 import re
 
+import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -49,8 +50,7 @@ def test_values_and_gradients_equal_vmapped_linear(name: str) -> None:
 
     want = jax.grad(loss, argnums=(1, 2))(plain, LIN, X)
     got = jax.grad(loss, argnums=(1, 2))(dense, LIN, X)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(compose(dense, LIN, X), compose(plain, LIN, X), rtol=1e-6, atol=1e-6)
 
 
@@ -96,8 +96,7 @@ def test_normalise_values_and_gradients_equal_vmapped_norm(kind: str, name: str)
 
     got = jax.grad(loss, argnums=(1, 2))(normalise, norm, X)
     want = jax.grad(loss, argnums=(1, 2))(plain, norm, X)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
         compose(normalise, norm, X), compose(plain, norm, X), rtol=1e-6, atol=1e-6
     )

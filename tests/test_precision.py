@@ -9,6 +9,7 @@ import contextlib
 import io
 import re
 
+import chex
 import equinox as eqx
 import jax
 import jax.ad_checkpoint
@@ -55,8 +56,7 @@ def _value_and_grad(model, ids):
 
 
 def _assert_trees_close(a, b, rtol, atol=0.0):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+    chex.assert_trees_all_close(a, b, rtol=rtol, atol=atol)
 
 
 # ----------------------------------------------------------------------------- remat

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from architectures import (
     BERT_LAYOUT,
@@ -245,8 +245,7 @@ def test_sharded_equals_unsharded(name: str) -> None:
     mesh = rc.make_mesh(n)
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     got = eqx.filter_jit(eqx.filter_value_and_grad(loss))(rc.shard(model, mesh, specs), xs)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- primitive rules

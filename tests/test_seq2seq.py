@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -369,10 +370,9 @@ def test_sharded_train_step_equals_unsharded(arch: str) -> None:
     (got, _, got_metrics), (want, _, want_metrics) = results
     np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], rtol=1e-5)
     np.testing.assert_allclose(got_metrics["grad_norm"], want_metrics["grad_norm"], rtol=1e-5)
-    got_leaves = jax.tree_util.tree_leaves(eqx.filter(got, eqx.is_array))
-    want_leaves = jax.tree_util.tree_leaves(eqx.filter(want, eqx.is_array))
-    for g, w in zip(got_leaves, want_leaves, strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_from_hf_onto_a_mesh_and_beam_search_under_predict(tmp_path: Path) -> None:
@@ -431,8 +431,7 @@ def test_remat_and_fsdp_give_the_plain_steps_numbers(scan_layers: bool) -> None:
     for policy in ("dots", "full"):
         loss_r, grads_r = grad(make(policy), BATCH, key)
         np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
-        for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        chex.assert_trees_all_close(grads_r, grads, rtol=1e-5, atol=1e-7)
     # FSDP on a 4 x 2 mesh: every layer's weights gathered where it runs.
     mesh = rc.make_mesh(2)
     model = rc.place(make("none"), mesh, example_call=lambda m: loss_fn(m, BATCH, key), fsdp=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -206,8 +207,7 @@ def test_sharded_loss_and_grads_equal_unsharded(name: str, n: int) -> None:
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     got_loss, got_grads = value_and_grad(sharded, xs)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-    for g, w in zip(leaves(got_grads), leaves(want_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
 
 
 def model_axis_traffic(model: eqx.Module, specs: object, n: int, x: Array) -> dict[str, int]:
