@@ -56,7 +56,8 @@ def _value_and_grad(model, ids):
 
 
 def _assert_trees_close(a, b, rtol, atol=0.0):
-    chex.assert_trees_all_close(a, b, rtol=rtol, atol=atol)
+    # Array leaves only: the models differ in a static field (their remat policy).
+    chex.assert_trees_all_close(jax.tree.leaves(a), jax.tree.leaves(b), rtol=rtol, atol=atol)
 
 
 # ----------------------------------------------------------------------------- remat

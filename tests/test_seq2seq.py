@@ -431,7 +431,10 @@ def test_remat_and_fsdp_give_the_plain_steps_numbers(scan_layers: bool) -> None:
     for policy in ("dots", "full"):
         loss_r, grads_r = grad(make(policy), BATCH, key)
         np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
-        chex.assert_trees_all_close(grads_r, grads, rtol=1e-5, atol=1e-7)
+        # Array leaves only: the models differ in a static field (their remat policy).
+        chex.assert_trees_all_close(
+            jax.tree.leaves(grads_r), jax.tree.leaves(grads), rtol=1e-5, atol=1e-7
+        )
     # FSDP on a 4 x 2 mesh: every layer's weights gathered where it runs.
     mesh = rc.make_mesh(2)
     model = rc.place(make("none"), mesh, example_call=lambda m: loss_fn(m, BATCH, key), fsdp=True)
