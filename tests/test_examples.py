@@ -4,14 +4,13 @@ import json
 import sysconfig
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from tiny_checkpoint import tiny_gpt2
 
 import redcoast as rc
 from redcoast.cli import main
-from redcoast.models import GPT2, GPT2Config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -81,33 +80,11 @@ def test_every_example_has_a_smoke_test():
     assert set(SMOKE) | {"language_modeling", "finetune"} <= set(names)
 
 
-def _checkpoint(folder):
-    """A tiny GPT-2 checkpoint with a BPE tokenizer trained on Python's documentation."""
-    from pydoc_data.topics import topics
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<eos>"], initial_alphabet=alphabet
-    )
-    tok.train_from_iterator([topics[k] for k in sorted(topics)][:100], trainer)
-    config = GPT2Config(vocab_size=400, n_positions=64, n_embd=32, n_layer=2, n_head=2)
-    GPT2(config, key=jax.random.key(0)).to_hf(folder)
-    tok.save(str(folder / "tokenizer.json"))
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    return folder
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["text", "jsonl"])
 def test_finetune_hands_back_a_folder_transformers_generates_from(data, tmp_path):
     transformers = pytest.importorskip("transformers")
-    base = _checkpoint(tmp_path / "base")
+    base = tiny_gpt2(tmp_path / "base")
     if data == "text":
         source = tmp_path / "corpus"
         source.mkdir()

@@ -5,6 +5,7 @@ import sys
 import time
 import types
 
+import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -394,3 +395,47 @@ def test_fit_ends_with_one_line_on_the_run(capsys):
     assert line.startswith("redcoast: 3 steps in ") and ": loss " in line and "grad_norm" in line
     rc.fit(_mlp(), optax.adam(1e-2), _toy(64), progress=False, **kwargs)
     assert "redcoast:" not in capsys.readouterr().out
+
+
+def test_fit_through_shard_map_equals_fit_through_jit():
+    mesh = rc.make_mesh(1)
+    opt = optax.adamw(1e-2)
+    runs = {
+        path: rc.fit(
+            _mlp(),
+            opt,
+            _toy(256),
+            collate_fn=collate_fn,
+            loss_fn=loss_fn,
+            mesh=mesh,
+            per_device_batch_size=4,
+            max_steps=6,
+            accumulate_grad_batches=2,
+            log_every=1,
+            progress=False,
+            data_parallel=path,
+        )
+        for path in ("jit", "shard_map")
+    }
+    losses = {path: [h["loss"] for h in r.history["train"]] for path, r in runs.items()}
+    assert len(losses["jit"]) == 6
+    np.testing.assert_allclose(losses["shard_map"], losses["jit"], rtol=1e-5)
+    chex.assert_trees_all_close(
+        eqx.filter(runs["shard_map"].model, eqx.is_array),
+        eqx.filter(runs["jit"].model, eqx.is_array),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    with pytest.raises(ValueError, match="use one or the other"):
+        rc.fit(
+            _mlp(),
+            opt,
+            _toy(64),
+            collate_fn=collate_fn,
+            loss_fn=loss_fn,
+            mesh=mesh,
+            per_device_batch_size=4,
+            max_steps=1,
+            fsdp=True,
+            data_parallel="shard_map",
+        )

@@ -694,6 +694,7 @@ def fit(
     schedule: Callable[[Any], Any] | None = None,
     fsdp: bool = False,
     precision: str = "fp32",
+    data_parallel: Literal["jit", "shard_map"] = "jit",
 ) -> FitResult:
     """Train `model` on `train_examples` with data and tensor parallelism over `mesh`.
 
@@ -780,6 +781,10 @@ def fit(
         precision: `"fp32"`, `"bf16"` (float32 master weights, bfloat16 compute) or
             `"pure-bf16"` (the model is cast to bfloat16 before `optimizer.init`); see
             `train_step`. Evaluation runs in the same precision.
+        data_parallel: `"jit"` (XLA partitions the global step; any mesh) or
+            `"shard_map"` (an explicit per-device step with the gradients averaged
+            over `"data"`; the model is replicated, so the mesh has one model shard
+            and `fsdp` is off); see `train_step`.
 
     Returns:
         A `FitResult` with `model`, `opt_state`, `step`, `history` and `stopped_by`.
@@ -797,6 +802,11 @@ def fit(
     options = (n_epochs, max_steps, log_every, on_nonfinite, workdir, checkpointing)
     _check_options(*options, resume=resume, overwrite=overwrite)
     check_precision(precision)
+    if data_parallel == "shard_map" and fsdp:
+        raise ValueError(
+            "data_parallel='shard_map' keeps a whole copy of the model on every device, "
+            "and fsdp=True splits it over the data axis: use one or the other."
+        )
     mesh = mesh or model_mesh(model) or make_mesh(1)
     size = global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches)
     root = None if workdir is None else os.fspath(workdir)
@@ -831,6 +841,7 @@ def fit(
         optimizer,
         accumulate_grad_batches=accumulate_grad_batches,
         mesh=mesh,
+        data_parallel=data_parallel,
         schedule=schedule,
         skip_nonfinite=on_nonfinite == "skip",
         precision=precision,
