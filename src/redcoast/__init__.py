@@ -45,6 +45,8 @@ from .sharding import sharding_rules as sharding_rules
 from .step import eval_step as eval_step
 from .step import predict_step as predict_step
 from .step import train_step as train_step
+from .trainable import Trainable as Trainable
+from .trainable import trainable_mask as trainable_mask
 from .workdir import WorkdirInUseError as WorkdirInUseError
 
 try:

@@ -55,6 +55,7 @@ from .mesh import make_mesh, mesh_shape
 from .place import model_mesh, own_copy, place, release, replicate_strays
 from .precision import cast, check_precision, param_dtype
 from .step import LossFn, PredFn, donating_jit, jit_eval_first, predict_step, train_step
+from .trainable import Trainable, trainable_mask
 from .workdir import hold_workdir
 
 
@@ -695,6 +696,7 @@ def fit(
     fsdp: bool = False,
     precision: str = "fp32",
     data_parallel: Literal["jit", "shard_map"] = "jit",
+    trainable: Trainable = None,
 ) -> FitResult:
     """Train `model` on `train_examples` with data and tensor parallelism over `mesh`.
 
@@ -785,6 +787,12 @@ def fit(
             `"shard_map"` (an explicit per-device step with the gradients averaged
             over `"data"`; the model is replicated, so the mesh has one model shard
             and `fsdp` is off); see `train_step`.
+        trainable: which arrays train (see `rc.trainable_mask`): `None` for every
+            floating-point array, or a pytree of bools, a predicate on leaves, or
+            path globs such as `"*.q_proj.*"`; `rc.lora.trainable(model)` selects a
+            LoRA model's adapters. Frozen arrays get no gradient, optimizer state or
+            update, and come back bit-identical; they may be stored in a lower
+            precision than the trainable ones (`rc.cast` them before `fit`).
 
     Returns:
         A `FitResult` with `model`, `opt_state`, `step`, `history` and `stopped_by`.
@@ -820,9 +828,8 @@ def fit(
     placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key), fsdp=fsdp)
     if precision == "pure-bf16":
         placed = cast(placed, param_dtype(precision))
-    opt = (
-        optimizer.init(eqx.filter(placed, eqx.is_inexact_array)) if opt_state is None else opt_state
-    )
+    mask = trainable_mask(placed, trainable)
+    opt = optimizer.init(eqx.filter(placed, mask)) if opt_state is None else opt_state
     best = None if evaluation is None else evaluation.best()
     state = LoopState(placed, replicate_strays(opt, mesh), best=best)
     history: dict[str, Any] = {"train": [], "eval": []}
@@ -845,6 +852,7 @@ def fit(
         schedule=schedule,
         skip_nonfinite=on_nonfinite == "skip",
         precision=precision,
+        trainable=mask,
         jit=False,
     )
     jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))

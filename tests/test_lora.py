@@ -1,0 +1,151 @@
+"""Training part of a model: the trainable filter, its checkpoints, and LoRA adapters."""
+
+import chex
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jaxtyping import Array, Float, PRNGKeyArray
+
+import redcoast as rc
+
+
+class MLP(eqx.Module):
+    """A user's own model: three `eqx.nn.Linear` layers, called on one example."""
+
+    inp: eqx.nn.Linear
+    hidden: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, *, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.inp = eqx.nn.Linear(6, 32, key=k1)
+        self.hidden = eqx.nn.Linear(32, 32, key=k2)
+        self.out = eqx.nn.Linear(32, 2, key=k3)
+
+    def __call__(self, x: Float[Array, " 6"], *, key: PRNGKeyArray | None = None) -> Array:
+        return self.out(jax.nn.gelu(self.hidden(jax.nn.gelu(self.inp(x)))))
+
+
+def collate_fn(examples):
+    return {
+        "x": np.stack([e["x"] for e in examples]),
+        "y": np.array([e["y"] for e in examples], np.int32),
+    }
+
+
+def loss_fn(model, batch, key):
+    logits = jax.vmap(model)(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _toy(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype(np.float32)
+    return [{"x": a, "y": int(a[0] * a[1] > 0)} for a in x]
+
+
+def _fit(model, trainable, **kw):
+    kw = {
+        "collate_fn": collate_fn,
+        "loss_fn": loss_fn,
+        "per_device_batch_size": 2,
+        "max_steps": 4,
+        "progress": False,
+        **kw,
+    }
+    return rc.fit(model, optax.adamw(1e-2, weight_decay=0.1), _toy(64), trainable=trainable, **kw)
+
+
+def _arrays(tree):
+    return eqx.filter(tree, eqx.is_array)
+
+
+# ----------------------------------------------------------------------------- the filter
+
+
+@pytest.mark.parametrize(
+    ("trainable", "shapes"),
+    [
+        ("hidden.*", [(32,), (32, 32)]),
+        (["hidden.weight", "hidden.bias"], [(32,), (32, 32)]),
+        (lambda x: eqx.is_inexact_array(x) and x.shape == (32, 32), [(32, 32)]),
+    ],
+    ids=["glob", "globs", "predicate"],
+)
+def test_frozen_leaves_are_bit_identical_and_get_no_optimizer_state(trainable, shapes):
+    model = MLP(key=jax.random.key(0))
+    result = _fit(model, trainable)
+    assert result.step == 4
+    for name in ("inp", "out"):
+        chex.assert_trees_all_equal(getattr(result.model, name), getattr(model, name))
+    assert not np.allclose(result.model.hidden.weight, model.hidden.weight)
+    # AdamW's two moments exist for the trainable arrays only.
+    moments = [x.shape for x in jax.tree.leaves(result.opt_state) if x.ndim > 0]
+    assert sorted(moments) == sorted(shapes * 2)
+
+
+def test_a_tree_of_bools_trains_what_it_marks():
+    model = MLP(key=jax.random.key(0))
+    spec = jax.tree.map(lambda _: False, model)
+    spec = eqx.tree_at(lambda m: m.out.weight, spec, replace=True)
+    result = _fit(model, spec)
+    chex.assert_trees_all_equal(result.model.out.bias, model.out.bias)
+    chex.assert_trees_all_equal(result.model.hidden, model.hidden)
+    assert not np.allclose(result.model.out.weight, model.out.weight)
+
+
+def test_train_step_with_a_filter_equals_the_full_step_on_the_trainable_part():
+    model = MLP(key=jax.random.key(0))
+    batch = collate_fn(_toy(16))
+    opt = optax.sgd(0.1)
+    key = jax.random.key(1)
+    mask = rc.trainable_mask(model, "out.*")
+    step = rc.train_step(loss_fn, opt, trainable="out.*", jit=False)
+    new, _, metrics = step(model, opt.init(eqx.filter(model, mask)), batch, key)
+    full = rc.train_step(loss_fn, opt, jit=False)
+    whole, _, full_metrics = full(model, opt.init(eqx.filter(model, eqx.is_array)), batch, key)
+    chex.assert_trees_all_close(new.out, whole.out, rtol=1e-6)
+    chex.assert_trees_all_equal(new.inp, model.inp)
+    # The gradient norm counts only the trainable part.
+    assert float(metrics["grad_norm"]) < float(full_metrics["grad_norm"])
+
+
+def test_frozen_leaves_may_be_stored_in_bfloat16():
+    model = MLP(key=jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.inp, model, replace=rc.cast(model.inp, jnp.bfloat16))
+    for precision in ("fp32", "bf16"):
+        result = _fit(model, "out.*", precision=precision)
+        assert result.model.inp.weight.dtype == jnp.bfloat16
+        chex.assert_trees_all_equal(result.model.inp, model.inp)
+        assert result.model.out.weight.dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"fsdp": True},
+        {"mesh": rc.make_mesh(2), "per_device_batch_size": 4},
+        {"data_parallel": "shard_map"},
+        {"donate": True},
+    ],
+    ids=["fsdp", "tp", "shard_map", "donate"],
+)
+def test_filter_under_fsdp_tp_shard_map_and_donate_equals_the_plain_run(kw):
+    model = MLP(key=jax.random.key(0))
+    base = _fit(model, "hidden.*", mesh=rc.make_mesh(1))
+    result = _fit(MLP(key=jax.random.key(0)), "hidden.*", **{"mesh": rc.make_mesh(1), **kw})
+    chex.assert_trees_all_close(_arrays(result.model), _arrays(base.model), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_equal(result.model.inp, model.inp)
+
+
+def test_glob_matching_nothing_is_a_clear_error():
+    model = MLP(key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"\['\*\.q_proj\.\*'\] match no .*inp\.weight"):
+        rc.trainable_mask(model, "*.q_proj.*")
+    with pytest.raises(ValueError, match="selects no floating-point array"):
+        rc.trainable_mask(model, lambda x: False)
+    with pytest.raises(TypeError, match="trainable must be"):
+        rc.trainable_mask(model, [1, 2])
