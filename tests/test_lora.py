@@ -10,6 +10,7 @@ import pytest
 from jaxtyping import Array, Float, PRNGKeyArray
 
 import redcoast as rc
+from redcoast.checkpoint import checkpoint_state
 
 
 class MLP(eqx.Module):
@@ -149,3 +150,34 @@ def test_glob_matching_nothing_is_a_clear_error():
         rc.trainable_mask(model, lambda x: False)
     with pytest.raises(TypeError, match="trainable must be"):
         rc.trainable_mask(model, [1, 2])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoints_hold_the_trainable_part_and_resume_step_exactly(tmp_path):
+    model = MLP(key=jax.random.key(0))
+    straight = _fit(model, "hidden.*", max_steps=6)
+    _fit(model, "hidden.*", max_steps=3, workdir=tmp_path)
+    ckpt = tmp_path / "ckpts" / "step_00000003"
+    state = checkpoint_state(ckpt)
+    assert sorted(state["checksums"]["model"]) == ["hidden.bias", "hidden.weight"]
+    assert state["loop"]["frozen"]["arrays"] == 4
+    resumed = _fit(model, "hidden.*", max_steps=6, workdir=tmp_path, resume=True)
+    assert resumed.step == 6
+    chex.assert_trees_all_equal(_arrays(resumed.model), _arrays(straight.model))
+    chex.assert_trees_all_equal(resumed.opt_state, straight.opt_state)
+
+
+def test_resume_refuses_another_base(tmp_path):
+    _fit(MLP(key=jax.random.key(0)), "hidden.*", max_steps=2, workdir=tmp_path)
+    other = MLP(key=jax.random.key(1))
+    with pytest.raises(ValueError, match="trained on another frozen base"):
+        _fit(other, "hidden.*", max_steps=4, workdir=tmp_path, resume=True)
+    # The same weights stored in another dtype are another base too.
+    base = MLP(key=jax.random.key(0))
+    half = eqx.tree_at(lambda m: m.inp, base, replace=rc.cast(base.inp, jnp.bfloat16))
+    with pytest.raises(ValueError, match="trained on another frozen base"):
+        _fit(half, "hidden.*", max_steps=4, workdir=tmp_path, resume=True)
+    with pytest.raises(ValueError, match="holds only the trainable arrays"):
+        _fit(base, None, max_steps=4, workdir=tmp_path, resume=True)
