@@ -899,7 +899,7 @@ def fingerprint(tree: PyTree) -> dict[str, Any]:
     for key, leaf in _leaves(tree):
         data = np.ascontiguousarray(_host(leaf))
         hasher.update(f"{key}:{data.shape}:{data.dtype.str}\n".encode())
-        hasher.update(memoryview(data.reshape(-1).view(np.uint8)))
+        hasher.update(data.reshape(-1).view(np.uint8).data)
         count += 1
         nbytes += data.nbytes
     return {"xxh3_64": hasher.hexdigest(), "arrays": count, "bytes": nbytes}
