@@ -181,3 +181,126 @@ def test_resume_refuses_another_base(tmp_path):
         _fit(half, "hidden.*", max_steps=4, workdir=tmp_path, resume=True)
     with pytest.raises(ValueError, match="holds only the trainable arrays"):
         _fit(base, None, max_steps=4, workdir=tmp_path, resume=True)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+LLAMA = rc.models.LlamaConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
+GPT2 = rc.models.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+IDS = jnp.asarray(np.random.default_rng(0).integers(0, 128, (8, 16)), jnp.int32)
+TARGETS = {
+    "gpt2": ["q_proj", "v_proj", "o_proj", "fc_in", "fc_out"],
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+def _zoo(arch, scan_layers=False, seed=0):
+    if arch == "llama":
+        return rc.models.Llama(LLAMA, scan_layers=scan_layers, key=jax.random.key(seed))
+    return rc.models.GPT2(GPT2, scan_layers=scan_layers, key=jax.random.key(seed))
+
+
+def _nonzero_b(model):
+    """`model` with every lora_b random: a fresh adapter is zero and would hide mistakes."""
+
+    def fill(x):
+        if isinstance(x, rc.lora.LoRALinear):
+            w = x.lora_b.weight
+            b = 0.1 * jax.random.normal(jax.random.key(w.size), w.shape, w.dtype)
+            return eqx.tree_at(lambda m: m.lora_b.weight, x, b)
+        return x
+
+    return jax.tree.map(fill, model, is_leaf=lambda x: isinstance(x, rc.lora.LoRALinear))
+
+
+@eqx.filter_jit
+def _logits(model, ids=IDS):
+    return jax.vmap(model)(ids)
+
+
+def test_lora_on_a_users_mlp_equals_its_merged_model():
+    model = MLP(key=jax.random.key(0))
+    lora = rc.lora.apply(model, ["inp", "hidden"], rank=4, alpha=8, key=jax.random.key(1))
+    assert isinstance(lora.inp, rc.lora.LoRALinear) and isinstance(lora.out, eqx.nn.Linear)
+    a: Float[Array, "4 6"] = lora.inp.lora_a.weight
+    b: Float[Array, "32 4"] = lora.inp.lora_b.weight
+    assert a.shape == (4, 6) and b.shape == (32, 4) and not b.any()
+    assert float(jnp.abs(a).max()) <= 1 / np.sqrt(6)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 6)), jnp.float32)
+    # B starts at zero: the wrapped model is the base model.
+    chex.assert_trees_all_close(jax.vmap(lora)(x), jax.vmap(model)(x), rtol=1e-6)
+    lora = _nonzero_b(lora)
+    merged = rc.lora.merge(lora)
+    assert isinstance(merged.inp, eqx.nn.Linear)
+    chex.assert_trees_all_close(jax.vmap(lora)(x), jax.vmap(merged)(x), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(jax.vmap(lora)(x), jax.vmap(model)(x))
+
+
+@pytest.mark.parametrize(
+    ("arch", "scan_layers"),
+    [
+        ("gpt2", False),
+        ("llama", True),
+        pytest.param("gpt2", True, marks=pytest.mark.slow),
+        pytest.param("llama", False, marks=pytest.mark.slow),
+    ],
+)
+def test_lora_on_the_zoo_equals_its_merged_model(arch, scan_layers):
+    model = _zoo(arch, scan_layers)
+    lora = _nonzero_b(rc.lora.apply(model, TARGETS[arch], rank=4, key=jax.random.key(1)))
+    merged = rc.lora.merge(lora)
+    chex.assert_trees_all_equal_structs(_arrays(merged), _arrays(model))
+    got, want = _logits(lora), _logits(merged)
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(got, _logits(model), atol=1e-3)
+
+
+def test_lora_trains_only_the_adapters_of_a_bfloat16_base():
+    model = rc.cast(_zoo("llama"), jnp.bfloat16)
+    lora = rc.lora.apply(model, ["q_proj", "v_proj"], rank=4, key=jax.random.key(1))
+    examples = [{"input_ids": np.asarray(r)} for r in np.asarray(IDS)]
+    result = rc.fit(
+        lora,
+        optax.adamw(1e-2),
+        examples,
+        collate_fn=lambda ex: {"input_ids": np.stack([e["input_ids"] for e in ex])},
+        loss_fn=rc.models.lm_loss,
+        per_device_batch_size=1,
+        max_steps=3,
+        trainable=rc.lora.trainable(lora),
+        progress=False,
+    )
+    frozen = eqx.filter(lora, rc.lora.trainable(lora), inverse=True)
+    chex.assert_trees_all_equal(
+        _arrays(eqx.filter(result.model, rc.lora.trainable(lora), inverse=True)), _arrays(frozen)
+    )
+    q = result.model.blocks[0].attn.q_proj
+    assert q.base.weight.dtype == jnp.bfloat16 and q.lora_b.weight.dtype == jnp.float32
+    assert q.lora_b.weight.any()
+    # Two AdamW moments for each adapter, nothing for the base.
+    adapters = sum(x.size for x in jax.tree.leaves(eqx.filter(lora, rc.lora.trainable(lora))))
+    moments = sum(x.size for x in jax.tree.leaves(result.opt_state) if x.ndim > 0)
+    assert moments == 2 * adapters
+
+
+def test_lora_bad_input():
+    model = MLP(key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"\['q_proj'\] match no eqx.nn.Linear.*'inp'"):
+        rc.lora.apply(model, ["inp", "q_proj"], key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"rank=8 is larger than out's dimensions \(32 in, 2 out"):
+        rc.lora.apply(model, "out", rank=8, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="no LoRA layers"):
+        rc.lora.trainable(model)
+    lora = rc.lora.apply(model, "hidden", dropout=0.1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="called without key="):
+        lora.hidden.over_tokens(jnp.ones((3, 32)))
+    assert lora.hidden(jnp.ones(32), key=jax.random.key(0)).shape == (32,)
+    assert eqx.nn.inference_mode(lora).hidden.over_tokens(jnp.ones((3, 32))).shape == (3, 32)

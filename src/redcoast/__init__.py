@@ -8,6 +8,7 @@ from importlib import metadata as _metadata
 
 from . import distributed as distributed
 from . import fsdp as fsdp
+from . import lora as lora
 from . import models as models
 from . import text as text
 from .checkpoint import Checkpoint as Checkpoint
