@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jaxtyping import Array, Float, PRNGKeyArray
+from beartype import beartype
+from jaxtyping import Array, Float, PRNGKeyArray, jaxtyped
 
 import redcoast as rc
 from redcoast.checkpoint import checkpoint_state
@@ -226,12 +227,20 @@ def _logits(model, ids=IDS):
     return jax.vmap(model)(ids)
 
 
+@jaxtyped(typechecker=beartype)
+def _factors(
+    layer: rc.lora.LoRALinear,
+) -> tuple[Float[Array, "rank n_in"], Float[Array, "n_out rank"], Float[Array, "n_out n_in"]]:
+    """A LoRA layer's A, B and base weight, their shapes checked against each other."""
+    return layer.lora_a.weight, layer.lora_b.weight, layer.base.weight
+
+
 def test_lora_on_a_users_mlp_equals_its_merged_model():
     model = MLP(key=jax.random.key(0))
     lora = rc.lora.apply(model, ["inp", "hidden"], rank=4, alpha=8, key=jax.random.key(1))
     assert isinstance(lora.inp, rc.lora.LoRALinear) and isinstance(lora.out, eqx.nn.Linear)
-    a: Float[Array, "4 6"] = lora.inp.lora_a.weight
-    b: Float[Array, "32 4"] = lora.inp.lora_b.weight
+    a, b, _ = _factors(lora.inp)
+    _factors(lora.hidden)
     assert a.shape == (4, 6) and b.shape == (32, 4) and not b.any()
     assert float(jnp.abs(a).max()) <= 1 / np.sqrt(6)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 6)), jnp.float32)
