@@ -8,6 +8,7 @@ from importlib import metadata as _metadata
 
 from . import distributed as distributed
 from . import fsdp as fsdp
+from . import lora as lora
 from . import models as models
 from . import text as text
 from .checkpoint import Checkpoint as Checkpoint
@@ -45,6 +46,8 @@ from .sharding import sharding_rules as sharding_rules
 from .step import eval_step as eval_step
 from .step import predict_step as predict_step
 from .step import train_step as train_step
+from .trainable import Trainable as Trainable
+from .trainable import trainable_mask as trainable_mask
 from .workdir import WorkdirInUseError as WorkdirInUseError
 
 try:

@@ -76,6 +76,8 @@ from .sharding import ShardingPlan, optimizer_specs, path_str
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "checkpoint_state",
+    "fingerprint",
     "latest_checkpoint",
     "load_checkpoint",
     "prune_checkpoints",
@@ -853,6 +855,54 @@ def load_checkpoint(
         )
         opt_state = _load_tree(opt_state_like, stored_opt, mesh, opt_specs, None)
     return Checkpoint(model=model, opt_state=opt_state, step=int(state["step"]), state=state)
+
+
+def checkpoint_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checked `state.json` of a checkpoint, without reading any tensor.
+
+    Args:
+        path: a folder written by `save_checkpoint`.
+
+    Returns:
+        Its `state.json`: step, files, checksums and the extra values saved.
+
+    Raises:
+        CheckpointError: `state.json` is missing, unreadable or not redcoast's.
+
+    Example:
+        >>> checkpoint_state("runs/x/ckpts/step_100")["step"]
+        100
+    """
+    return _read_state(_resolve(Path(path)))
+
+
+def fingerprint(tree: PyTree) -> dict[str, Any]:
+    """A fingerprint of `tree`'s arrays: XXH3 over every path, shape, dtype and byte.
+
+    A checkpoint of a run that trains part of a model holds only the trainable
+    arrays; the fingerprint of the frozen ones tells, at resume, whether the base
+    given is the one the adapters were trained on. Arrays are fetched to the host
+    one at a time (every process must call this, as for `save_checkpoint`).
+
+    Args:
+        tree: a pytree of arrays, e.g. a model's frozen part.
+
+    Returns:
+        `{"xxh3_64": hex digest, "arrays": how many, "bytes": their total size}`.
+
+    Example:
+        >>> fingerprint(eqx.filter(model, frozen))["xxh3_64"]
+        '3f1c0a9e5b2d7c41'
+    """
+    hasher = xxhash.xxh3_64()
+    count = nbytes = 0
+    for key, leaf in _leaves(tree):
+        data = np.ascontiguousarray(_host(leaf))
+        hasher.update(f"{key}:{data.shape}:{data.dtype.str}\n".encode())
+        hasher.update(data.reshape(-1).view(np.uint8).data)
+        count += 1
+        nbytes += data.nbytes
+    return {"xxh3_64": hasher.hexdigest(), "arrays": count, "bytes": nbytes}
 
 
 # --------------------------------------------------------------------------- a run's folder

@@ -32,6 +32,8 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .checkpoint import (
+    checkpoint_state,
+    fingerprint,
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
@@ -55,6 +57,7 @@ from .mesh import make_mesh, mesh_shape
 from .place import model_mesh, own_copy, place, release, replicate_strays
 from .precision import cast, check_precision, param_dtype
 from .step import LossFn, PredFn, donating_jit, jit_eval_first, predict_step, train_step
+from .trainable import Trainable, frozen_mask, trainable_mask
 from .workdir import hold_workdir
 
 
@@ -275,6 +278,14 @@ class _Run:
     lead: bool  # process 0, which writes
     # epoch -> {"n_examples", "order"}: what a checkpoint records of the epoch's data.
     data: Callable[[int], dict[str, Any]] | None = None
+    # With a trainable filter: its mask (checkpoints hold what it selects) and the
+    # fingerprint of the frozen arrays, which a checkpoint records and resume checks.
+    trainable: Any = None
+    frozen: dict[str, Any] | None = None
+
+    def saved_part(self, model: Any) -> Any:
+        """What a checkpoint holds of `model`: its trainable arrays, or all of it."""
+        return model if self.trainable is None else eqx.filter(model, self.trainable)
 
     @property
     def ckpts(self) -> str | None:
@@ -288,8 +299,12 @@ def _resume(run: _Run, state: LoopState) -> tuple[LoopState, dict[str, Any]]:
     found = latest_checkpoint(run.ckpts)
     if found is None:
         return state, history
+    _check_base(found, checkpoint_state(found).get("loop", {}).get("frozen"), run.frozen)
     # Loaded into the shardings of the freshly placed model and optimizer state.
-    ckpt = load_checkpoint(found, like=state.model, opt_state_like=state.opt_state)
+    ckpt = load_checkpoint(found, like=run.saved_part(state.model), opt_state_like=state.opt_state)
+    model = ckpt.model
+    if run.trainable is not None:
+        model = eqx.combine(model, eqx.filter(state.model, run.trainable, inverse=True))
     loop = ckpt.state.get("loop", {})
     if loop.get("seed") != run.seed or loop.get("global_batch_size") != run.size:
         raise ValueError(
@@ -308,7 +323,7 @@ def _resume(run: _Run, state: LoopState) -> tuple[LoopState, dict[str, Any]]:
         print(f"redcoast: resuming from {found} (step {ckpt.step}, epoch {loop['epoch']})")
     resumed = dataclasses.replace(
         state,
-        model=ckpt.model,
+        model=model,
         opt_state=ckpt.opt_state,
         step=ckpt.step,
         epoch=int(loop["epoch"]),
@@ -316,6 +331,32 @@ def _resume(run: _Run, state: LoopState) -> tuple[LoopState, dict[str, Any]]:
         best=best,
     )
     return resumed, history
+
+
+def _check_base(found: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
+    """Refuse to resume a partly trained run on a frozen base other than its own."""
+    if saved == now:
+        return
+    if saved is None:
+        raise ValueError(
+            f"cannot resume from {found}: it holds a whole model, saved by a run without "
+            "trainable=, and this run trains part of the model. Resume without trainable=, "
+            "or start the partial run in a new workdir."
+        )
+    if now is None:
+        raise ValueError(
+            f"cannot resume from {found}: it holds only the trainable arrays of a run with "
+            "trainable=, on a frozen base of "
+            f"{saved['arrays']} arrays ({saved['bytes']} bytes). Pass the same trainable= "
+            "and the same base model."
+        )
+    raise ValueError(
+        f"cannot resume from {found}: its trainable arrays were trained on another frozen "
+        f"base ({saved['arrays']} arrays, {saved['bytes']} bytes, xxh3_64 "
+        f"{saved['xxh3_64']}) than this run's ({now['arrays']} arrays, {now['bytes']} bytes, "
+        f"xxh3_64 {now['xxh3_64']}). Pass the base model the run started from (the same "
+        "weights, dtypes and trainable=), or a new workdir."
+    )
 
 
 def _check_data(found: Path, loop: dict[str, Any], run: _Run) -> None:
@@ -476,10 +517,11 @@ def _saver(run: _Run, buffer: MetricsBuffer) -> Callable[[Path, LoopState], None
             "global_batch_size": run.size,
             "best": None if s.best is None else dataclasses.asdict(s.best),
             **({} if run.data is None else run.data(s.epoch)),
+            **({} if run.frozen is None else {"frozen": run.frozen}),
         }
         save_checkpoint(
             path,
-            model=s.model,
+            model=run.saved_part(s.model),
             opt_state=s.opt_state,
             step=s.step,
             loop=loop,
@@ -695,6 +737,7 @@ def fit(
     fsdp: bool = False,
     precision: str = "fp32",
     data_parallel: Literal["jit", "shard_map"] = "jit",
+    trainable: Trainable = None,
 ) -> FitResult:
     """Train `model` on `train_examples` with data and tensor parallelism over `mesh`.
 
@@ -720,7 +763,10 @@ def fit(
     order and keys; a checkpoint records its epoch's number of examples and a
     checksum of their order, and resuming on other data is an error. A fresh run in
     a workdir that holds another run's files stops with an error unless
-    `overwrite=True`, which deletes them first.
+    `overwrite=True`, which deletes them first. With `trainable=`, checkpoints hold
+    the trainable arrays and their optimizer state only, plus a fingerprint of the
+    frozen arrays (`state.json`'s `loop.frozen`); resuming on another base, or with
+    or without a filter unlike the saved run, is an error.
 
     A workdir is held by one live run: before reading anything there, `fit` (on
     process 0) takes an OS lock on `workdir/.redcoast.lock`, released when `fit`
@@ -785,6 +831,12 @@ def fit(
             `"shard_map"` (an explicit per-device step with the gradients averaged
             over `"data"`; the model is replicated, so the mesh has one model shard
             and `fsdp` is off); see `train_step`.
+        trainable: which arrays train (see `rc.trainable_mask`): `None` for every
+            floating-point array, or a pytree of bools, a predicate on leaves, or
+            path globs such as `"*.q_proj.*"`; `rc.lora.trainable(model)` selects a
+            LoRA model's adapters. Frozen arrays get no gradient, optimizer state or
+            update, and come back bit-identical; they may be stored in a lower
+            precision than the trainable ones (`rc.cast` them before `fit`).
 
     Returns:
         A `FitResult` with `model`, `opt_state`, `step`, `history` and `stopped_by`.
@@ -820,9 +872,11 @@ def fit(
     placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key), fsdp=fsdp)
     if precision == "pure-bf16":
         placed = cast(placed, param_dtype(precision))
-    opt = (
-        optimizer.init(eqx.filter(placed, eqx.is_inexact_array)) if opt_state is None else opt_state
-    )
+    mask = trainable_mask(placed, trainable)
+    if trainable is not None:
+        frozen = fingerprint(eqx.filter(placed, frozen_mask(placed, mask)))
+        run = dataclasses.replace(run, trainable=mask, frozen=frozen)
+    opt = optimizer.init(eqx.filter(placed, mask)) if opt_state is None else opt_state
     best = None if evaluation is None else evaluation.best()
     state = LoopState(placed, replicate_strays(opt, mesh), best=best)
     history: dict[str, Any] = {"train": [], "eval": []}
@@ -845,6 +899,7 @@ def fit(
         schedule=schedule,
         skip_nonfinite=on_nonfinite == "skip",
         precision=precision,
+        trainable=mask,
         jit=False,
     )
     jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))

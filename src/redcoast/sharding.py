@@ -244,6 +244,16 @@ class _ModelInfo:
     heads: dict[str, int]  # weight path -> number of heads its output (Q/K/V) or input (O) holds
 
 
+def _linear_path(module: Any) -> str | None:
+    """Where a projection's Linear sits in it: `""` for a Linear itself, `".base"` for a
+    module wrapping one (a LoRA layer), None when it is neither."""
+    if isinstance(module, eqx.nn.Linear):
+        return ""
+    if isinstance(getattr(module, "base", None), eqx.nn.Linear):
+        return ".base"
+    return None
+
+
 def _model_info(model: PyTree) -> _ModelInfo:
     linear_weight: dict[str, str] = {}
     embeddings: set[str] = set()
@@ -259,11 +269,11 @@ def _model_info(model: PyTree) -> _ModelInfo:
             r: _first_attr(module, names)
             for r, names in (("q", _Q_NAMES), ("k", _K_NAMES), ("v", _V_NAMES), ("o", _O_NAMES))
         }
-        if all(isinstance(p, eqx.nn.Linear) for p, _ in projections.values()):
+        if all(_linear_path(p) is not None for p, _ in projections.values()):
             n_heads, _ = _first_attr(module, _HEAD_FIELDS)
             n_kv, _ = _first_attr(module, _KV_HEAD_FIELDS)
-            for r, (_, name) in projections.items():
-                wpath = f"{dot}{name}.weight"
+            for r, (p, name) in projections.items():
+                wpath = f"{dot}{name}{_linear_path(p)}.weight"
                 role[wpath] = r
                 count = n_kv if (r in "kv" and isinstance(n_kv, int)) else n_heads
                 if isinstance(count, int) and count > 0:
@@ -478,6 +488,88 @@ def _matmul_decision(
     )
 
 
+def _sizes(leaf: int, use: Use, shapes: list[tuple[int, ...]]) -> tuple[int, int] | None:
+    """A matmul weight's (input, output) feature sizes, None when not a plain matmul."""
+    if not use.in_axes or not use.out_axes:
+        return None
+    return shapes[leaf][use.in_axes[-1]], shapes[leaf][use.out_axes[-1]]
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """How many leading path components `a` and `b` share."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a.split("."), b.split("."), strict=False)) if x != y),
+        min(a.count("."), b.count(".")) + 1,
+    )
+
+
+def _low_rank_branches(
+    flow: Dataflow, paths: list[str], shapes: list[tuple[int, ...]]
+) -> dict[int, tuple[str, int, int]]:
+    """Low-rank branches beside a full matmul: leaf -> (`"down"` | `"up"`, partner, full).
+
+    A branch is `down` (in -> r) then `up` (r -> out), `up` reading only `down`'s
+    output, with `r` below both sizes, beside a `full` matmul (in -> out) that reads
+    the same input: a LoRA adapter and its base weight, whoever wrote them. Of several
+    such matmuls (Q, K and V read one input), the nearest in the module tree is taken.
+    """
+    found: dict[int, tuple[str, int, int]] = {}
+    for up in flow.order:
+        use = flow.uses[up]
+        if len(use.taint) != 1:
+            continue
+        (down,) = use.taint
+        if down not in flow.uses:
+            continue
+        up_sizes, down_sizes = _sizes(up, use, shapes), _sizes(down, flow.uses[down], shapes)
+        if up_sizes is None or down_sizes is None:
+            continue
+        (n_in, rank), (rank_in, n_out) = down_sizes, up_sizes
+        if rank != rank_in or rank >= min(n_in, n_out):
+            continue
+        taint = flow.uses[down].taint
+        beside = [
+            f
+            for f in flow.order
+            if f not in (down, up)
+            and flow.uses[f].taint == taint
+            and _sizes(f, flow.uses[f], shapes) == (n_in, n_out)
+        ]
+        if beside:
+            full = max(beside, key=lambda f: _shared_prefix(paths[f], paths[down]))
+            found[down] = ("down", up, full)
+            found[up] = ("up", down, full)
+    return found
+
+
+def _low_rank_decision(
+    leaf: int,
+    branch: tuple[str, int, int],
+    flow: Dataflow,
+    decided: Mapping[int, _Decision],
+    paths: list[str],
+    shapes: list[tuple[int, ...]],
+    n: int,
+) -> _Decision:
+    """A low-rank factor splits as the full matmul beside it, never on its rank.
+
+    Beside a row-split matmul (input split), `down` is split on its input and `up`,
+    reading `down`'s partial sums, is replicated: the branch's output joins the full
+    matmul's before their one all-reduce. Beside a column-split matmul (input whole),
+    `down` is replicated and `up` split on its output, as the full matmul's output is.
+    """
+    role, _, full = branch
+    use = flow.uses[leaf]
+    kind = decided[full].kind if full in decided else REP
+    rank = shapes[leaf][use.out_axes[-1] if role == "down" else use.in_axes[-1]]
+    why = f"low-rank factor (rank {rank}) beside {paths[full]}, {kind}"
+    if role == "down" and kind == ROW and shapes[leaf][use.in_axes[-1]] % n == 0:
+        return _Decision(ROW, use.in_axes[-1], f"{why}: split on its input, never its rank")
+    if role == "up" and kind == COL and shapes[leaf][use.out_axes[-1]] % n == 0:
+        return _Decision(COL, use.out_axes[-1], f"{why}: split on its output, never its rank")
+    return _Decision(REP, None, f"{why}: replicated, its rank never split")
+
+
 def _expert_groups(
     flow: Dataflow,
     decided: dict[int, _Decision],
@@ -570,12 +662,16 @@ def _plan_dataflow(
         if i not in fixed and i not in forced
     }
     decided: dict[int, _Decision] = {**emb, **fixed, **forced}
+    branches = _low_rank_branches(flow, paths, shapes)
     for _ in range(8):
         changed = False
         for leaf in flow.order:
             if leaf in emb or leaf in fixed or leaf in forced:
                 continue
-            d = _matmul_decision(leaf, flow, decided, info, paths, shapes, heads, n)
+            if leaf in branches:
+                d = _low_rank_decision(leaf, branches[leaf], flow, decided, paths, shapes, n)
+            else:
+                d = _matmul_decision(leaf, flow, decided, info, paths, shapes, heads, n)
             if decided.get(leaf) != d:
                 decided[leaf] = d
                 changed = True

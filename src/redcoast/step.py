@@ -26,6 +26,7 @@ from . import fsdp
 from .mesh import DATA, mesh_shape
 from .place import replicate_strays
 from .precision import check_param_dtypes, check_precision, for_compute
+from .trainable import Trainable, frozen_mask, trainable_mask
 
 LossFn = Callable[[Any, Any, PRNGKeyArray], Any]
 """`(model, batch, key) -> loss` or `(loss, dict_of_scalars)`."""
@@ -200,13 +201,19 @@ def _train_core(
     skip_nonfinite: bool,
     axis_name: str | None,
     precision: str,
+    trainable: Trainable,
 ) -> TrainStepFn:
     """The un-jitted step; `axis_name` set means "inside shard_map, pmean over it"."""
     n_micro = accumulate_grad_batches
 
     def step(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
-        params, static = eqx.partition(model, eqx.is_inexact_array)
+        mask = trainable_mask(model, trainable)
+        params, rest = eqx.partition(model, mask)
+        # Frozen arrays are no argument of the differentiated function: no gradient.
+        frozen, static = eqx.partition(rest, frozen_mask(model, mask))
         check_param_dtypes(params, precision, where="train_step")
+        # Cast outside the gradient; frozen arrays may be stored in a lower precision.
+        frozen_compute = for_compute(frozen, precision)
         if axis_name is not None:
             # Varying params make jax.grad return this shard's gradient rather than an
             # implicit psum, so the pmean below is the one reduction.
@@ -215,9 +222,9 @@ def _train_core(
         def objective(p: Any, b: Any, k: Any) -> tuple[Array, dict[str, Array]]:
             # The cast sits inside the differentiated function, so its transpose turns
             # the bfloat16 gradients back into float32 ones for float32 master weights.
-            compute = for_compute(p, precision)
-            with fsdp.gather_at_use(compute):
-                return _split_loss(loss_fn(eqx.combine(compute, static), b, k), b)
+            compute = eqx.combine(for_compute(p, precision), frozen_compute, static)
+            with fsdp.gather_at_use(eqx.filter(compute, eqx.is_inexact_array)):
+                return _split_loss(loss_fn(compute, b, k), b)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         if n_micro == 1:
@@ -245,7 +252,7 @@ def _train_core(
             )
         if axis_name is not None:
             loss, aux, grads = jax.lax.pmean((loss, aux, grads), axis_name)
-            params = eqx.filter(model, eqx.is_inexact_array)
+            params = eqx.filter(model, mask)
         grad_norm = optax.tree.norm(grads).astype(jnp.float32)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -264,7 +271,7 @@ def _train_core(
             new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
             metrics["skipped"] = metrics["nonfinite"]
         metrics.update(aux)
-        return eqx.combine(new_params, static), new_opt_state, metrics
+        return eqx.combine(new_params, frozen, static), new_opt_state, metrics
 
     return step
 
@@ -346,16 +353,18 @@ def train_step(
     schedule: Callable[[Any], Any] | None = None,
     skip_nonfinite: bool = False,
     precision: str = "fp32",
+    trainable: Trainable = None,
     jit: bool = True,
 ) -> TrainStepFn:
     """Compose `loss_fn` and an optax optimizer into one training step.
 
     The step is pure: `(model, opt_state, batch, key) -> (model, opt_state, metrics)`,
-    where `opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))` and
-    `batch` is the *global* batch. With `accumulate_grad_batches = n` the batch's
-    leading axis is split into `n` micro-batches (row `j * n + i` into micro-batch
-    `i`, so each device keeps its own rows) and their gradients are averaged inside
-    one `lax.scan`; the optimizer, and its schedule, then count optimizer steps.
+    where `opt_state = optimizer.init(eqx.filter(model, rc.trainable_mask(model, trainable)))`
+    (every floating array when `trainable` is None) and `batch` is the *global* batch.
+    With `accumulate_grad_batches = n` the batch's leading axis is split into `n`
+    micro-batches (row `j * n + i` into micro-batch `i`, so each device keeps its own
+    rows) and their gradients are averaged inside one `lax.scan`; the optimizer, and
+    its schedule, then count optimizer steps.
 
     Randomness: `loss_fn` receives `key` itself (or `fold_in(key, i)` for micro-batch
     `i`), and under `data_parallel="jit"` random bits it draws for the global batch
@@ -384,6 +393,12 @@ def train_step(
             `"pure-bf16"` (parameters, optimizer state and compute in bfloat16; cast
             the model with `rc.cast(model, jnp.bfloat16)` before `optimizer.init`).
             See `redcoast.precision`.
+        trainable: which arrays train (`rc.trainable_mask`): `None` for every
+            floating-point array; a pytree of bools, a predicate on leaves, or path
+            globs (`"*.q_proj.*"`). Only those get gradients, optimizer state and
+            updates; the frozen ones are returned as they came, and may be stored in
+            another precision (e.g. bfloat16 under `"fp32"`) -- the precision policy
+            checks only trainable arrays.
         jit: wrap the step in `eqx.filter_jit`, donating the model and optimizer
             state (pass fresh ones each call). With `jit=False` the plain function
             is returned, to compose into your own transformations.
@@ -421,6 +436,7 @@ def train_step(
         skip_nonfinite=skip_nonfinite,
         axis_name=DATA if data_parallel == "shard_map" else None,
         precision=precision,
+        trainable=trainable,
     )
     if data_parallel == "shard_map":
         assert mesh is not None

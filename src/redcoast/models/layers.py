@@ -11,6 +11,7 @@ a second norm, GPT-J's parallel `x + attn(h) + mlp(h)`. Attention has a cached p
 (`Attention.cached`) that writes keys and values into a `KVCache` for generation.
 """
 
+import abc
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -89,7 +90,9 @@ def _matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     # `g^T x` with the tokens flattened into one axis: see `dense`.
     rows = (((0,), (0,)), ((), ()))
     dw = jax.lax.dot_general(g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]), rows)
-    return dx, dw
+    # Each cotangent in its primal's dtype: a float32 adapter reading bfloat16 hidden
+    # states (LoRA on a frozen bfloat16 base) promotes the product, not the input.
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -113,7 +116,24 @@ def _batched_matmul_vmap(
     return _matmul(x, weight), x_batched
 
 
-def dense(layer: eqx.nn.Linear, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
+class AbstractProjection(eqx.Module):
+    """A module that stands where a block has a Linear, wrapping one (`base`).
+
+    Adapters such as `rc.lora.LoRALinear` replace a block's Linear without the block
+    knowing: `dense` hands them every token at once (`over_tokens`), so they keep the
+    fast matmul path, and the sharding rules read `base` as the Linear it stands for.
+    """
+
+    base: eqx.AbstractVar[eqx.nn.Linear]
+
+    @abc.abstractmethod
+    def over_tokens(self, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
+        """The module on every row of `x` (features last)."""
+
+
+def dense(
+    layer: eqx.nn.Linear | AbstractProjection, x: Float[Array, "*tokens in"]
+) -> Float[Array, "*tokens out"]:
     """`layer` on every row of `x`: `jax.vmap(layer)(x)` as one matmul, with a leaner gradient.
 
     `jax.grad` writes a Linear's weight gradient as `g^T x` (`g` the output's
@@ -130,7 +150,8 @@ def dense(layer: eqx.nn.Linear, x: Float[Array, "*tokens in"]) -> Float[Array, "
     example summed afterwards.
 
     Args:
-        layer: the Linear (weight `(out, in)`, optional bias `(out,)`).
+        layer: the Linear (weight `(out, in)`, optional bias `(out,)`), or a module
+            wrapping one (`AbstractProjection`), which computes over the tokens itself.
         x: inputs, features last.
 
     Returns:
@@ -141,6 +162,8 @@ def dense(layer: eqx.nn.Linear, x: Float[Array, "*tokens in"]) -> Float[Array, "
         >>> dense(layer, jnp.ones((10, 32))).shape
         (10, 64)
     """
+    if isinstance(layer, AbstractProjection):
+        return layer.over_tokens(x)
     # `custom_vmap` only where the current vmap batches `x`: its rule then replaces
     # it, whereas reaching `jax.grad` unbatched it could not be differentiated.
     matmul = _batched_matmul if batched_by_current_vmap(x) else _matmul

@@ -1,0 +1,265 @@
+"""LoRA layers: `LoRALinear`, and `apply`, `trainable`, `merge` (see `redcoast.lora`)."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from .models.layers import AbstractProjection, dense
+from .sharding import path_str
+
+__all__ = ["LoRALinear", "apply", "lora_layers", "merge", "trainable"]
+
+Targets = str | Sequence[str] | Callable[[str, eqx.nn.Linear], bool]
+"""Which Linears `apply` wraps: globs over their dotted paths, or `(path, linear) -> bool`."""
+
+
+class LoRALinear(AbstractProjection):
+    """A frozen Linear plus a trainable low-rank update: `base(x) + scale * B(A(dropout(x)))`.
+
+    Stacked layers (a leading layer axis, from `eqx.filter_vmap` or `scan_layers`)
+    carry the same leading axes on `lora_a` and `lora_b`.
+
+    Attributes:
+        base: the wrapped Linear, weight `(out, in)`; frozen in LoRA training.
+        lora_a: Linear `in -> rank` without bias, weight `(rank, in)`.
+        lora_b: Linear `rank -> out` without bias, weight `(out, rank)`; zeros at
+            first, so the wrapped model starts as the base model.
+        dropout: applied to the input of `lora_a` only, as in PEFT.
+        scale: `alpha / rank`.
+    """
+
+    base: eqx.nn.Linear
+    lora_a: eqx.nn.Linear
+    lora_b: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+    scale: float = eqx.field(static=True)
+
+    @property
+    def rank(self) -> int:
+        """The rank of the update."""
+        return self.lora_a.out_features  # type: ignore[return-value]
+
+    def _dropped(self, x: Array, key: PRNGKeyArray | None) -> Array:
+        if self.dropout.p == 0 or self.dropout.inference:
+            return x
+        if key is None:
+            raise ValueError(
+                f"LoRA dropout={self.dropout.p} draws random bits, but this layer was called "
+                "without key=. The zoo's models pass no key to their projections: use "
+                "dropout=0.0 with them (or eqx.nn.inference_mode for evaluation); in your own "
+                "model, call the layer with key=."
+            )
+        return self.dropout(x, key=key)
+
+    def _sum(self, base: Array, update: Array, like: Array) -> Array:
+        return (base.astype(like.dtype) + self.scale * update).astype(like.dtype)
+
+    def __call__(
+        self, x: Float[Array, " in_features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " out_features"]:
+        """On one input vector, as `eqx.nn.Linear`; `key` drives the dropout."""
+        # The base computes in its own dtype: a frozen bfloat16 base stays bfloat16.
+        base = self.base(x.astype(self.base.weight.dtype))
+        return self._sum(base, self.lora_b(self.lora_a(self._dropped(x, key))), x)
+
+    def over_tokens(self, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
+        """On every row of `x` at once, through the zoo's `dense` matmuls (no dropout key)."""
+        base = dense(self.base, x.astype(self.base.weight.dtype))
+        return self._sum(base, dense(self.lora_b, dense(self.lora_a, self._dropped(x, None))), x)
+
+
+def _projections(model: PyTree) -> tuple[list[tuple[str, Any]], Any]:
+    """Every Linear and Linear wrapper of `model` (not looking inside them), with its path."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=lambda x: isinstance(x, eqx.nn.Linear | AbstractProjection)
+    )
+    return [(path_str(p), x) for p, x in flat], treedef
+
+
+def _matches(path: str, glob: str) -> bool:
+    # A bare name matches the end of a path, as PEFT's target_modules do ("q_proj").
+    return fnmatch.fnmatchcase(path, glob) or fnmatch.fnmatchcase(path, "*." + glob)
+
+
+def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
+    linears = [(p, x) for p, x in found if isinstance(x, eqx.nn.Linear)]
+    if callable(targets):
+        chosen = [isinstance(x, eqx.nn.Linear) and bool(targets(p, x)) for p, x in found]
+    else:
+        globs = [targets] if isinstance(targets, str) else list(targets)
+        if not globs or not all(isinstance(g, str) for g in globs):
+            raise TypeError(
+                "targets must be a glob, a sequence of globs, or a predicate "
+                f"(path, linear) -> bool; got {targets!r}."
+            )
+        unmatched = [g for g in globs if not any(_matches(p, g) for p, _ in linears)]
+        if unmatched:
+            raise ValueError(
+                f"LoRA target(s) {unmatched} match no eqx.nn.Linear of the model. Targets are "
+                f"globs over the Linears' dotted paths, such as {[p for p, _ in linears[:4]]}; "
+                "a bare name like 'q_proj' matches every path ending in it."
+            )
+        chosen = [
+            isinstance(x, eqx.nn.Linear) and any(_matches(p, g) for g in globs) for p, x in found
+        ]
+    if not any(chosen):
+        raise ValueError(
+            "targets select no eqx.nn.Linear of the model; its Linears are "
+            f"{[p for p, _ in linears[:6]]}{' ...' if len(linears) > 6 else ''}."
+        )
+    return chosen
+
+
+def _wrap(
+    path: str,
+    linear: eqx.nn.Linear,
+    *,
+    rank: int,
+    alpha: float | int,
+    dropout: float | int,
+    dtype: DTypeLike,
+    key: PRNGKeyArray,
+) -> LoRALinear:
+    *layers, n_out, n_in = linear.weight.shape
+    if rank > min(n_in, n_out):
+        raise ValueError(
+            f"LoRA rank={rank} is larger than {path}'s dimensions ({n_in} in, {n_out} out): "
+            f"a rank above min(in, out) = {min(n_in, n_out)} adds parameters without adding "
+            "rank. Use a smaller rank, or leave this layer out of targets."
+        )
+    # PEFT's default init of A: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)).
+    bound = 1.0 / math.sqrt(n_in)
+    a = jax.random.uniform(key, (*layers, rank, n_in), dtype, -bound, bound)
+    lora_a = eqx.nn.Linear(n_in, rank, use_bias=False, key=key)
+    lora_b = eqx.nn.Linear(rank, n_out, use_bias=False, key=key)
+    lora_a = eqx.tree_at(lambda m: m.weight, lora_a, a)
+    lora_b = eqx.tree_at(lambda m: m.weight, lora_b, jnp.zeros((*layers, n_out, rank), dtype))
+    return LoRALinear(linear, lora_a, lora_b, eqx.nn.Dropout(dropout), alpha / rank)
+
+
+def apply(
+    model: PyTree,
+    targets: Targets,
+    *,
+    rank: int = 8,
+    alpha: float | int = 16.0,
+    dropout: float | int = 0.0,
+    dtype: DTypeLike = jnp.float32,
+    key: PRNGKeyArray,
+) -> PyTree:
+    """Wrap the Linears `targets` selects in `LoRALinear`s.
+
+    Args:
+        model: any Equinox model; its `eqx.nn.Linear` layers (the zoo's projections
+            are such Linears) can be targets.
+        targets: globs over the Linears' dotted paths (`"blocks.*.attn.q_proj"`); a
+            bare name matches every path ending in it (`["q_proj", "v_proj"]`, as
+            PEFT's `target_modules`). Or a predicate `(path, linear) -> bool`.
+        rank: the rank `r` of each update.
+        alpha: the update is scaled by `alpha / rank`.
+        dropout: dropout rate on the adapters' input, as PEFT's `lora_dropout`. It
+            needs a key at call time; the zoo's models pass none, so keep 0 there.
+        dtype: of `lora_a` and `lora_b` (float32 by default, as PEFT keeps adapters,
+            whatever the base's dtype).
+        key: for `lora_a`'s random init (`lora_b` starts at zero).
+
+    Returns:
+        The model with the targets wrapped; the rest is the same objects.
+
+    Raises:
+        ValueError: a glob matches no Linear, the targets select none, or `rank`
+            exceeds a target's `min(in, out)`.
+
+    Example:
+        >>> model = rc.lora.apply(GPT2(config, key=k1), ["q_proj", "v_proj"], key=k2)
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive int, got {rank!r}.")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
+    found, treedef = _projections(model)
+    chosen = _selected(found, targets)
+    keys = iter(jax.random.split(key, sum(chosen)))
+    leaves = [
+        _wrap(p, x, rank=rank, alpha=alpha, dropout=dropout, dtype=dtype, key=next(keys))
+        if pick
+        else x
+        for (p, x), pick in zip(found, chosen, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _lora_layers(model: PyTree, what: str) -> tuple[list[Any], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten(model, is_leaf=lambda x: isinstance(x, LoRALinear))
+    if not any(isinstance(x, LoRALinear) for x in leaves):
+        raise ValueError(f"rc.lora.{what}: the model has no LoRA layers; use rc.lora.apply first.")
+    return leaves, treedef
+
+
+def lora_layers(model: PyTree) -> list[tuple[str, LoRALinear]]:
+    """Every `LoRALinear` of `model` with its dotted path (`blocks.0.attn.q_proj`)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=lambda x: isinstance(x, LoRALinear)
+    )
+    return [(path_str(p), x) for p, x in flat if isinstance(x, LoRALinear)]
+
+
+def trainable(model: PyTree) -> PyTree:
+    """The filter selecting only the adapters: True for every `lora_a` and `lora_b` weight.
+
+    Args:
+        model: a model with `LoRALinear` layers.
+
+    Returns:
+        A tree of bools shaped like `model`, for `fit(..., trainable=...)`.
+
+    Example:
+        >>> rc.fit(model, optimizer, train, trainable=rc.lora.trainable(model), ...)
+    """
+    leaves, treedef = _lora_layers(model, "trainable")
+
+    def mark(x: Any) -> Any:
+        if not isinstance(x, LoRALinear):
+            return jax.tree.map(lambda _: False, x)
+        flags = jax.tree.map(lambda _: False, x)
+        return eqx.tree_at(lambda m: (m.lora_a.weight, m.lora_b.weight), flags, (True, True))
+
+    return jax.tree_util.tree_unflatten(treedef, [mark(x) for x in leaves])
+
+
+def merge(model: PyTree) -> PyTree:
+    """The model with every `LoRALinear` folded back into a plain Linear, `W + scale * B A`.
+
+    The sum is computed in float32 and stored in the base weight's dtype.
+
+    Args:
+        model: a model with `LoRALinear` layers.
+
+    Returns:
+        The same model with plain `eqx.nn.Linear`s, e.g. for `to_hf` or serving.
+
+    Example:
+        >>> plain = rc.lora.merge(result.model)
+    """
+    leaves, treedef = _lora_layers(model, "merge")
+
+    def fold(x: Any) -> Any:
+        if not isinstance(x, LoRALinear):
+            return x
+        w = x.base.weight
+        update = jnp.matmul(
+            x.lora_b.weight.astype(jnp.float32), x.lora_a.weight.astype(jnp.float32)
+        )
+        merged = (w.astype(jnp.float32) + x.scale * update).astype(w.dtype)
+        return eqx.tree_at(lambda m: m.weight, x.base, merged)
+
+    return jax.tree_util.tree_unflatten(treedef, [fold(x) for x in leaves])
