@@ -234,6 +234,7 @@ def run_stack(
     fn: Callable[
         [Any, Float[Array, "seq hidden"], PyTree], tuple[Float[Array, "seq hidden"], PyTree]
     ],
+    use: PyTree,
     policy: str = "none",
 ) -> tuple[Float[Array, "seq hidden"], PyTree]:
     """Thread `x` through the layers: `x, out = fn(layer, x, per_layer[i])` for each.
@@ -244,34 +245,33 @@ def run_stack(
         per_layer: one input per layer (a tuple, or stacked arrays for stacked layers),
             or `None`.
         fn: runs one layer.
-        policy: the remat policy each layer runs under (`rc.remat`). Under FSDP each
-            layer's weights are gathered where it runs (`redcoast.fsdp`).
+        use: the layers' part of the model's `fsdp.layouts`: under FSDP each layer's
+            weights are gathered where it runs.
+        policy: the remat policy each layer runs under (`rc.remat`).
 
     Returns:
         The last layer's hidden states and the layers' outputs (a tuple, or stacked).
     """
     if not isinstance(layers, tuple):
         params, static = eqx.partition(layers, eqx.is_array)
-        specs = fsdp.layer_specs(params, stacked=True)
 
         def one(p: PyTree, h: Array, extra: PyTree) -> tuple[Array, PyTree]:
-            return fn(eqx.combine(fsdp.gather(p, specs), static), h, extra)
+            return fn(eqx.combine(fsdp.gather(p, use, stacked=True), static), h, extra)
 
-        run = fsdp.under_policy(one, policy, specs is not None)
+        run = fsdp.under_policy(one, policy, fsdp.gathers(use))
 
         def body(h: Array, layer: tuple[PyTree, PyTree]) -> tuple[Array, PyTree]:
             return run(layer[0], h, layer[1])
 
         return jax.lax.scan(body, x, (params, per_layer))
     outs = []
-    for i, layer in enumerate(layers):
+    for i, (layer, specs) in enumerate(zip(layers, use, strict=True)):
         params, static = eqx.partition(layer, eqx.is_array)
-        specs = fsdp.layer_specs(params, stacked=False)
 
         def each(p: PyTree, h: Array, extra: PyTree, static: Any = static, specs: Any = specs):
             return fn(eqx.combine(fsdp.gather(p, specs), static), h, extra)
 
-        run = fsdp.under_policy(each, policy, specs is not None)
+        run = fsdp.under_policy(each, policy, fsdp.gathers(specs))
         x, out = run(params, x, None if per_layer is None else per_layer[i])
         outs.append(out)
     return x, tuple(outs)
@@ -286,7 +286,7 @@ def _mask_padded_vocab(logits: Float[Array, "seq vocab"], vocab: int) -> Float[A
     return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
 
 
-class AbstractSeq2SeqLM(hf.HFModel):
+class AbstractSeq2SeqLM(hf.HFModel, fsdp.FSDPModule):
     """An encoder-decoder language model: shared embeddings, two stacks, a vocabulary head.
 
     Called on one unbatched source sequence and one target sequence (the decoder input:
@@ -416,7 +416,8 @@ class AbstractSeq2SeqLM(hf.HFModel):
         def layer(block: EncoderLayer, h: Array, _: None) -> tuple[Array, None]:
             return block(h, visible, bias), None
 
-        x, _ = run_stack(self.encoder_blocks, x, None, layer, self.remat)
+        use = fsdp.layouts(self).encoder_blocks
+        x, _ = run_stack(self.encoder_blocks, x, None, layer, use, self.remat)
         return self._final(x, False)
 
     def cross_cache(self, memory: Float[Array, "src hidden"]) -> Stack:
@@ -426,7 +427,11 @@ class AbstractSeq2SeqLM(hf.HFModel):
             One `KVCache` per layer (a tuple), or one stacked `KVCache` for scanned layers.
         """
         _, out = run_stack(
-            self.decoder_blocks, memory, None, lambda b, h, _: (h, b.cross_attn.keys_values(h))
+            self.decoder_blocks,
+            memory,
+            None,
+            lambda b, h, _: (h, b.cross_attn.keys_values(h)),
+            fsdp.layouts(self).decoder_blocks,
         )
         return out
 
@@ -553,7 +558,8 @@ class AbstractSeq2SeqLM(hf.HFModel):
             per_layer = (cross, cache)
         # Decoding with a cache computes no gradients: nothing to rematerialise.
         policy = self.remat if cache is None else "none"
-        x, new = run_stack(self.decoder_blocks, x, per_layer, layer, policy)
+        use = fsdp.layouts(self).decoder_blocks
+        x, new = run_stack(self.decoder_blocks, x, per_layer, layer, use, policy)
         logits = self._head(self._final(x, True))
         return _mask_padded_vocab(logits, self.vocab_size), new
 
