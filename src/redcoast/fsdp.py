@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -35,7 +34,6 @@ from jaxtyping import PyTree
 
 from . import _jaxpr
 from .mesh import DATA
-from .rematerialisation import remat
 
 GATHERED = "fsdp_gathered"
 """The `checkpoint_name` of weights gathered for use."""
@@ -246,12 +244,3 @@ def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
 def remat_policy() -> Any:
     """The checkpoint policy that keeps everything but gathered weights."""
     return _not_gathered
-
-
-def under_policy(fn: Callable[..., Any], policy: str, gathering: bool) -> Callable[..., Any]:
-    """`fn` (one layer) under the remat policy; while gathering, even `"none"`
-    recomputes the gathered weights in the backward pass instead of keeping
-    every layer's whole copy."""
-    if gathering and policy == "none":
-        return eqx.filter_checkpoint(fn, policy=remat_policy())
-    return remat(fn, policy)

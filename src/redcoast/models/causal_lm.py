@@ -10,18 +10,18 @@ generation, and the Hugging Face import/export; an architecture (`GPT2`, `Llama`
 """
 
 import abc
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from .. import fsdp
 from ..rematerialisation import RematPolicy
 from . import hf
+from ._stack import run_stack
 from .checks import check_range
 from .layers import DecoderBlock, KVCache, Norm, normalise
 
@@ -29,34 +29,6 @@ Blocks = tuple[DecoderBlock, ...] | DecoderBlock
 """The layers: a tuple, or one `DecoderBlock` whose arrays have a leading layer axis."""
 Cache = tuple[KVCache, ...] | KVCache
 """One `KVCache` per layer, or one stacked `KVCache` for scanned layers."""
-
-
-def make_blocks(
-    make: Callable[[PRNGKeyArray], DecoderBlock],
-    n_layers: int,
-    *,
-    scan_layers: bool,
-    key: PRNGKeyArray,
-) -> Blocks:
-    """`n_layers` blocks from `make(key)`: a tuple, or one block with stacked arrays.
-
-    Stacked blocks (`eqx.filter_vmap` over the init) run under `lax.scan`, so a deep
-    model compiles one layer instead of `n_layers`; the sharding rules follow the
-    scan and split every stacked weight on its last two axes.
-
-    Args:
-        make: builds one layer from a key.
-        n_layers: how many.
-        scan_layers: stack them instead of returning a tuple.
-        key: split into one key per layer.
-
-    Returns:
-        The blocks.
-    """
-    keys = jax.random.split(key, n_layers)
-    if scan_layers:
-        return eqx.filter_vmap(make)(keys)
-    return tuple(make(k) for k in keys)
 
 
 class AbstractCausalLM(hf.HFModel, fsdp.FSDPModule):
@@ -261,51 +233,12 @@ class AbstractCausalLM(hf.HFModel, fsdp.FSDPModule):
         # Training runs each block under the remat policy; the cached (decoding) path
         # computes no gradients, so there is nothing to rematerialise.
         policy = self.remat if cache is None else "none"
+
+        def layer(
+            block: DecoderBlock, h: Float[Array, "seq hidden"], c: KVCache | None
+        ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
+            return block(h, positions, c, index)
+
         use = fsdp.layouts(self).blocks
-        if isinstance(self.blocks, DecoderBlock):
-            assert cache is None or isinstance(cache, KVCache)
-            params, static = eqx.partition(self.blocks, eqx.is_array)
-            # Under FSDP, each layer's weights are gathered inside the scan, one layer
-            # at a time, and gathered again in the backward pass rather than kept.
-
-            def layer(
-                h: Float[Array, "seq hidden"], p: PyTree, c: KVCache | None
-            ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-                gathered = fsdp.gather(p, use, stacked=True)
-                return eqx.combine(gathered, static)(h, positions, c, index)
-
-            run = fsdp.under_policy(layer, policy, fsdp.gathers(use))
-
-            def body(
-                h: Float[Array, "seq hidden"], xs: tuple[PyTree, KVCache | None]
-            ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-                return run(h, *xs)
-
-            return jax.lax.scan(body, x, (params, cache))
-        if cache is None:
-            for block, specs in zip(self.blocks, use, strict=True):
-                x = self._block(block, specs, x, positions, policy)
-            return x, None
-        assert isinstance(cache, tuple)
-        new = []
-        for block, c in zip(self.blocks, cache, strict=True):
-            x, c = block(x, positions, c, index)
-            assert c is not None
-            new.append(c)
-        return x, tuple(new)
-
-    @staticmethod
-    def _block(
-        block: DecoderBlock,
-        specs: PyTree,
-        x: Float[Array, "seq hidden"],
-        positions: Real[Array, " seq"],
-        policy: str,
-    ) -> Float[Array, "seq hidden"]:
-        """One unrolled block under the remat policy, its weights gathered under FSDP."""
-        params, static = eqx.partition(block, eqx.is_array)
-
-        def run(p: PyTree, h: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-            return eqx.combine(fsdp.gather(p, specs), static)(h, positions)[0]
-
-        return fsdp.under_policy(run, policy, fsdp.gathers(specs))(params, x)
+        x, new = run_stack(self.blocks, x, cache, layer, use, policy)
+        return x, None if cache is None else new
