@@ -179,15 +179,22 @@ def record_layout(tree: PyTree) -> PyTree:
 
     Returns:
         The same arrays; each `FSDPModule` with `fsdp_layout = StoredLayout.of(module)`.
+        `tree` itself when every module already records its layout.
     """
 
-    def one(x: Any) -> Any:
-        if not isinstance(x, FSDPModule):
-            return x
-        layout = StoredLayout.of(x)
-        return x if layout == x.fsdp_layout else _with_layout(x, layout)
+    def is_module(x: Any) -> bool:
+        return isinstance(x, FSDPModule)
 
-    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, FSDPModule))
+    def stale(x: Any) -> bool:
+        return is_module(x) and StoredLayout.of(x) != x.fsdp_layout
+
+    if not any(map(stale, jax.tree_util.tree_leaves(tree, is_leaf=is_module))):
+        return tree
+
+    def one(x: Any) -> Any:
+        return _with_layout(x, StoredLayout.of(x)) if stale(x) else x
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=is_module)
 
 
 def layouts(module: FSDPModule) -> PyTree:
