@@ -35,8 +35,9 @@ row starts from the very same weights, so every row's losses agree to float roun
 Every row is compiled ahead of time, and the executable that is timed is the one whose
 `memory_analysis()` (per-device argument and temporary bytes), `cost_analysis()` and
 HLO (collective bytes per step and mesh axis, `redcoast.hlo`) are read. redcoast's
-rows compile `rc.train_step(..., jit=False)` under `jax.jit` with donation, inside
-`rc.fsdp.stored_shardings`, as `rc.plan` does. The layers are unrolled in every row
+rows compile `rc.train_step(..., jit=False)` under `jax.jit` with donation, as
+`rc.plan` does; the model `rc.shard` places records which weights FSDP gathers, so
+no context is needed around the jit. The layers are unrolled in every row
 (the zoo's default, and the Flax module's), so no collective sits inside a loop and
 the HLO's collectives are the step's; the script checks that there is no `while`.
 
@@ -325,12 +326,9 @@ def redcoast_row(mesh: Mesh, ids: np.ndarray, *, fsdp: bool) -> Row:
         return eqx.filter(m, eqx.is_inexact_array), s, metrics
 
     jitted = jax.jit(core, donate_argnums=(0, 1))
-    stored = [x.sharding for x in jax.tree.leaves(params)]
 
     def lower() -> Any:
-        # How each weight is stored, so that FSDP gathers it where it is used.
-        with rc.fsdp.stored_shardings(stored):
-            return jitted.lower(params, opt_state, batch, key)
+        return jitted.lower(params, opt_state, batch, key)
 
     def step(compiled: Any, state: Any) -> tuple[Any, Any]:
         p, s, metrics = compiled(*state, batch, key)

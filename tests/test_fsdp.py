@@ -66,11 +66,14 @@ def run_steps(
     mesh: object | None,
     n: int = 3,
     optimizer: optax.GradientTransformation | None = None,
+    opt_state: object | None = None,
 ) -> tuple[object, object, list]:
     optimizer = optax.adamw(1e-2) if optimizer is None else optimizer
-    # The step as fit runs it: jitted, donating, told which weights are split over data.
+    # The step as fit runs it: jitted, donating.
     step = rc.train_step(loss_fn, optimizer, mesh=mesh)
-    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    if opt_state is None:
+        opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    state = opt_state
     batch = {"ids": IDS}
     if mesh is not None:
         batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
@@ -122,6 +125,91 @@ def test_fsdp_train_steps_equal_the_unsharded_steps(
     moments = [x for x in arrays(got_state) if x.ndim > 0]
     assert sum(x.addressable_shards[0].data.nbytes for x in moments) <= 1.10 * total / 8
     assert n_data * n_model == 8
+
+
+def data_all_gathers(compiled_text: str, mesh: object) -> list[hlo.Collective]:
+    return [
+        c
+        for c in hlo.collectives(compiled_text, mesh)
+        if c.op == "all-gather" and c.axis in ("data", "both")
+    ]
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_a_step_jitted_by_plain_jax_jit_gathers_as_redcoasts_own_step(scan_layers: bool) -> None:
+    """No context around the jit: the model says which weights FSDP gathers."""
+    mesh = rc.make_mesh(1)  # 8 data shards: every weight split over the data axis
+    batch = jax.device_put({"ids": IDS}, NamedSharding(mesh, P("data")))
+    key = jax.random.key(0)
+    model = rc.place(
+        make("gpt2", scan_layers)(jax.random.key(0)),
+        mesh,
+        example_call=lambda m: loss_fn(m, batch, key),
+        fsdp=True,
+    )
+    assert model.fsdp_layout is not None
+    optimizer = optax.sgd(0.5)
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    core = rc.train_step(loss_fn, optimizer, mesh=mesh, jit=False)
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def run(p, s, b, k):
+        m, s, metrics = core(eqx.combine(p, static), s, b, k)
+        return eqx.filter(m, eqx.is_array), s, metrics
+
+    # A user's own jax.jit of the plain step, and the jit redcoast's step wraps it in.
+    user = jax.jit(run).lower(params, state, batch, key).compile()
+    ours = eqx.filter_jit(core, donate="all-except-first").lower(model, state, batch, key)
+    user_found = hlo.collectives(user.as_text(), mesh)
+    ours_found = hlo.collectives(ours.compile().compiled.as_text(), mesh)  # equinox wraps it
+    assert hlo.summarize(user_found) == hlo.summarize(ours_found)
+
+    # Every all-gather over the data axis rebuilds a weight (one layer's slice of a
+    # stacked one): the activations stay split over the data axis.
+    whole = [x.shape for x in arrays(model)]
+    weights = set(whole) | {shape[1:] for shape in whole}
+    gathered = data_all_gathers(user.as_text(), mesh)
+    assert gathered
+    assert all(c.dims and set(c.dims) <= weights for c in gathered), gathered
+
+    # The same numbers as redcoast's own jitted step (which donates what it is given).
+    got_params, _, got = user(params, state, batch, key)
+    step = rc.train_step(loss_fn, optimizer, mesh=mesh)
+    want_model, _, want = step(model, state, batch, key)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-6)
+    for g, w in zip(arrays(got_params), arrays(want_model), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+    # The trained model placed again records the layout it had: its optimizer state,
+    # made from the placed model, still fits it.
+    assert rc.place(want_model, mesh).fsdp_layout == model.fsdp_layout
+
+
+def test_a_model_placed_without_redcoast_gathers_nothing() -> None:
+    """Weights split over the data axis by jax.device_put alone: XLA's partitioner decides."""
+    mesh = rc.make_mesh(1)
+    batch = jax.device_put({"ids": IDS}, NamedSharding(mesh, P("data")))
+    model = make("gpt2", True)(jax.random.key(0))
+    specs = rc.sharding_rules(model, 1, example_call=type(model).trace_call, fsdp=8)
+    by_hand = eqx.combine(
+        jax.device_put(
+            eqx.filter(model, eqx.is_array),
+            jax.tree.map(lambda s: NamedSharding(mesh, s), specs),
+        ),
+        eqx.filter(model, eqx.is_array, inverse=True),
+    )
+    assert by_hand.fsdp_layout is None
+    params, static = eqx.partition(by_hand, eqx.is_array)
+    text = (
+        jax.jit(lambda p, b: loss_fn(eqx.combine(p, static), b, jax.random.key(0)))
+        .lower(params, batch)
+        .compile()
+        .as_text()
+    )
+    whole = [x.shape for x in arrays(model)]
+    weights = set(whole) | {shape[1:] for shape in whole}
+    # Activations (the batch's rows) are gathered over the data axis instead.
+    assert any(not set(c.dims) <= weights for c in data_all_gathers(text, mesh))
 
 
 def test_sharded_init_holds_only_shards_and_equals_the_model_built_whole() -> None:
@@ -208,6 +296,14 @@ def test_checkpoints_move_between_fsdp_and_tensor_parallel_layouts(tmp_path: Pat
     assert all("data" in str(s) for s in specs_of(back.model))
     for a, b in zip(arrays(back.model), arrays(fsdp_model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The loaded model records its new layout, and so do the optimizer's copies of it
+    # (mu, nu), so that the step's optimizer update sees one structure.
+    assert tp.model.fsdp_layout is None
+    assert back.model.fsdp_layout == fsdp_model.fsdp_layout
+    copies = jax.tree.leaves(back.opt_state, is_leaf=lambda x: isinstance(x, rc.fsdp.FSDPModule))
+    copies = [x for x in copies if isinstance(x, rc.fsdp.FSDPModule)]
+    assert copies and all(x.fsdp_layout == back.model.fsdp_layout for x in copies)
+    run_steps(back.model, mesh, n=1, optimizer=optimizer, opt_state=back.opt_state)
 
 
 def test_fsdp_plan_never_splits_the_scanned_layer_axis_and_reports_what_it_cannot_split() -> None:
@@ -255,8 +351,7 @@ def test_fsdp_adds_no_model_axis_traffic_to_tensor_parallelism(scan_layers: bool
             m, s, metrics = step(eqx.combine(p, static), s, b, k)
             return eqx.filter(m, eqx.is_inexact_array), s, metrics
 
-        with rc.fsdp.stored_shardings([x.sharding for x in jax.tree.leaves(params)]):
-            lowered = jax.jit(run).lower(params, state, batch, jax.random.key(0))
+        lowered = jax.jit(run).lower(params, state, batch, jax.random.key(0))
         found = hlo.collectives(lowered.compile().as_text(), mesh)
         model_bytes[fsdp] = sum(c.nbytes for c in found if c.axis == "model")
     assert model_bytes[True] <= 1.05 * model_bytes[False], model_bytes

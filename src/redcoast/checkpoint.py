@@ -71,6 +71,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from .data import barrier, to_host
+from .fsdp import record_layout
 from .sharding import ShardingPlan, optimizer_specs, path_str
 
 __all__ = [
@@ -847,13 +848,15 @@ def load_checkpoint(
     if verify:
         _verify_groups(state, groups)
     model_specs = _spec_map(like, specs)
-    model = _load_tree(like, stored_model, mesh, model_specs, dtype)
+    # A zoo model (and the optimizer's copies of it) record the layout they now have,
+    # which `specs` may have changed from `like`'s.
+    model = record_layout(_load_tree(like, stored_model, mesh, model_specs, dtype))
     opt_state = None
     if opt_state_like is not None:
         opt_specs = (
             None if model_specs is None else optimizer_specs(opt_leaves, model_leaves, model_specs)
         )
-        opt_state = _load_tree(opt_state_like, stored_opt, mesh, opt_specs, None)
+        opt_state = record_layout(_load_tree(opt_state_like, stored_opt, mesh, opt_specs, None))
     return Checkpoint(model=model, opt_state=opt_state, step=int(state["step"]), state=state)
 
 

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .fsdp import record_layout
 from .mesh import DATA, MODEL, mesh_shape
 from .sharding import ShardingPlan, shard, sharding_rules, sharding_tree
 
@@ -83,7 +84,9 @@ def place(
 
     Returns:
         The model with every array a `jax.Array` on `mesh`. Arrays that did not have
-        to move are the very arrays given (nothing is copied).
+        to move are the very arrays given (nothing is copied). A zoo model records
+        which weights are split over the data axis (`redcoast.fsdp`), also when its
+        arrays were already on `mesh`.
 
     Example:
         >>> model = rc.place(model, rc.make_mesh(2), example_call=lambda m: jax.vmap(m)(x))
@@ -92,7 +95,7 @@ def place(
     leaves = _array_leaves(model)
     if specs is None:
         if all(_on_mesh(x, mesh) for x in leaves):
-            return model
+            return record_layout(model)
         if all(_redcoast_sharding(x) is not None for x in leaves):
             specs = jax.tree.map(lambda x: x.sharding.spec, eqx.filter(model, eqx.is_array))
         elif n_model > 1 or fsdp:
@@ -155,7 +158,7 @@ def sharded_init(
         return eqx.filter(make(key), eqx.is_array)
 
     _, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return eqx.combine(build(), static)
+    return record_layout(eqx.combine(build(), static))
 
 
 def replicate_strays(tree: PyTree, mesh: Mesh) -> PyTree:

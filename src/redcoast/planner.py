@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import fsdp
+from .fsdp import record_layout
 from .mesh import DATA, make_mesh
 from .models import ARCHITECTURES, AbstractSeq2SeqLM
 from .models.hf import HFConfig, read_config
@@ -267,6 +267,10 @@ def _abstract(tree: PyTree, shardings: PyTree, dtype: Any = None) -> PyTree:
     return jax.tree.map(one, tree, shardings)
 
 
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _local_bytes(tree: PyTree) -> int:
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
@@ -305,9 +309,12 @@ def _compile(
     abstract = eqx.filter_eval_shape(make, key)
     specs = _plan_specs(abstract, layout).specs
     shardings = sharding_tree(abstract, mesh, specs)
-    arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    arrays, static = eqx.partition(abstract, _is_abstract)
     master = jnp.bfloat16 if layout.precision == "pure-bf16" else None
-    params = _abstract(arrays, shardings, master)
+    # The model records its FSDP layout from the abstract arrays' shardings, as
+    # `rc.place` does from real ones, so the step gathers as `fit`'s does.
+    placed = record_layout(eqx.combine(_abstract(arrays, shardings, master), static))
+    params, static = eqx.partition(placed, _is_abstract)
     optimizer = optax.adamw(1e-4)
     state = jax.eval_shape(optimizer.init, params)
     flat_params = [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -342,8 +349,7 @@ def _compile(
 
     key_shape = jax.eval_shape(lambda: key)
     start = time.perf_counter()
-    with fsdp.stored_shardings([x.sharding for x in jax.tree_util.tree_leaves(params)]):
-        lowered = jax.jit(run, donate_argnums=(0, 1)).lower(params, state, batch, key_shape)
+    lowered = jax.jit(run, donate_argnums=(0, 1)).lower(params, state, batch, key_shape)
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()

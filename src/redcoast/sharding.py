@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._dataflow import NO_USE, Dataflow, Use, trace_dataflow
+from .fsdp import record_layout
 from .mesh import DATA, MODEL
 
 __all__ = [
@@ -1066,7 +1067,9 @@ def shard(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
             `eqx.filter(tree, eqx.is_array)`.
 
     Returns:
-        The same tree with every array a `jax.Array` with `NamedSharding(mesh, spec)`.
+        The same tree with every array a `jax.Array` with `NamedSharding(mesh, spec)`;
+        a zoo model in it records which weights are split over the data axis, so that
+        its forward pass gathers them (`redcoast.fsdp`).
 
     Example:
         >>> model = shard(model, mesh, sharding_rules(model, mesh.shape["model"]))
@@ -1082,7 +1085,7 @@ def shard(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
         placed = jax.device_put(flat, shardings)
     else:
         placed = [_place_global(x, s) for x, s in zip(flat, shardings, strict=True)]
-    return eqx.combine(jax.tree_util.tree_unflatten(treedef, placed), static)
+    return record_layout(eqx.combine(jax.tree_util.tree_unflatten(treedef, placed), static))
 
 
 def _place_global(x: Any, sharding: NamedSharding) -> jax.Array:

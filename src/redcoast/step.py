@@ -22,7 +22,6 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from . import fsdp
 from .mesh import DATA, mesh_shape
 from .place import replicate_strays
 from .precision import check_param_dtypes, check_precision, for_compute
@@ -223,8 +222,7 @@ def _train_core(
             # The cast sits inside the differentiated function, so its transpose turns
             # the bfloat16 gradients back into float32 ones for float32 master weights.
             compute = eqx.combine(for_compute(p, precision), frozen_compute, static)
-            with fsdp.gather_at_use(eqx.filter(compute, eqx.is_inexact_array)):
-                return _split_loss(loss_fn(compute, b, k), b)
+            return _split_loss(loss_fn(compute, b, k), b)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         if n_micro == 1:
@@ -304,15 +302,6 @@ def _shard_map_step(core: TrainStepFn, mesh: Mesh) -> TrainStepFn:
     return step
 
 
-def stored_shardings(model: Any) -> list[NamedSharding | None]:
-    """The `NamedSharding` each parameter of `model` is stored with (`None`: unknown)."""
-    leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
-    return [
-        x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else None
-        for x in leaves
-    ]
-
-
 def _on_one_device(x: Any) -> bool:
     return isinstance(getattr(x, "sharding", None), SingleDeviceSharding)
 
@@ -330,15 +319,14 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
 
     @functools.wraps(fn)
     def call(model: Any, opt_state: Any, *rest: Any) -> _T:
-        shardings = stored_shardings(model)
-        mesh = next((s.mesh for s in shardings if s is not None), None)
+        placed = (getattr(x, "sharding", None) for x in jax.tree.leaves(model))
+        mesh = next((s.mesh for s in placed if isinstance(s, NamedSharding)), None)
         # optax makes its counters on the default device and the step returns them
         # replicated over the mesh; placed there first, the second call finds the
         # first call's program instead of compiling another.
         if isinstance(mesh, Mesh) and any(map(_on_one_device, jax.tree.leaves(opt_state))):
             opt_state = replicate_strays(opt_state, mesh)
-        with fsdp.stored_shardings(shardings):
-            return jitted(rest, model, opt_state)
+        return jitted(rest, model, opt_state)
 
     return call
 

@@ -29,6 +29,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
+from .fsdp import layouts_like
 from .sharding import path_str
 
 Trainable = str | Sequence[str] | Callable[[Any], bool] | PyTree | None
@@ -103,7 +104,7 @@ def trainable_mask(model: PyTree, trainable: Trainable = None) -> PyTree:
         mask = _glob_mask(model, globs)
     else:
         try:
-            kept = eqx.filter(model, trainable, replace=_FROZEN)
+            kept = eqx.filter(model, layouts_like(trainable, model), replace=_FROZEN)
         except (ValueError, TypeError) as err:
             raise TypeError(
                 "trainable must be None, a path glob or a sequence of globs, a predicate on "

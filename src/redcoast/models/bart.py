@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
+from ._stack import make_stack
 from .layers import MLP, activation, normalise
 from .seq2seq import (
     AbstractSeq2SeqLM,
@@ -21,7 +22,6 @@ from .seq2seq import (
     Seq2SeqAttention,
     Stack,
     in_stack,
-    make_stack,
 )
 
 # fairseq's position tables start at row 2 (rows 0 and 1 were for padding).

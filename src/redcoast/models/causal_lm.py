@@ -10,18 +10,18 @@ generation, and the Hugging Face import/export; an architecture (`GPT2`, `Llama`
 """
 
 import abc
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from .. import fsdp
 from ..rematerialisation import RematPolicy
 from . import hf
+from ._stack import run_stack
 from .checks import check_range
 from .layers import DecoderBlock, KVCache, Norm, normalise
 
@@ -31,35 +31,7 @@ Cache = tuple[KVCache, ...] | KVCache
 """One `KVCache` per layer, or one stacked `KVCache` for scanned layers."""
 
 
-def make_blocks(
-    make: Callable[[PRNGKeyArray], DecoderBlock],
-    n_layers: int,
-    *,
-    scan_layers: bool,
-    key: PRNGKeyArray,
-) -> Blocks:
-    """`n_layers` blocks from `make(key)`: a tuple, or one block with stacked arrays.
-
-    Stacked blocks (`eqx.filter_vmap` over the init) run under `lax.scan`, so a deep
-    model compiles one layer instead of `n_layers`; the sharding rules follow the
-    scan and split every stacked weight on its last two axes.
-
-    Args:
-        make: builds one layer from a key.
-        n_layers: how many.
-        scan_layers: stack them instead of returning a tuple.
-        key: split into one key per layer.
-
-    Returns:
-        The blocks.
-    """
-    keys = jax.random.split(key, n_layers)
-    if scan_layers:
-        return eqx.filter_vmap(make)(keys)
-    return tuple(make(k) for k in keys)
-
-
-class AbstractCausalLM(hf.HFModel):
+class AbstractCausalLM(hf.HFModel, fsdp.FSDPModule):
     """A decoder-only language model: embed, `DecoderBlock`s, final norm, vocabulary head.
 
     Called on one unbatched sequence of token ids, it returns the logits of the next
@@ -227,18 +199,20 @@ class AbstractCausalLM(hf.HFModel):
             f"{type(self).__name__} has a vocabulary of {self.vocab_size}; check the "
             "tokenizer matches the model, and pad with a real token id.",
         )
-        x = jax.vmap(fsdp.gathered(self.embed_tokens))(input_ids)
+        use = fsdp.layouts(self)
+        x = jax.vmap(fsdp.gather(self.embed_tokens, use.embed_tokens))(input_ids)
         if self.embed_positions is not None:
-            table = fsdp.gathered(self.embed_positions)
+            table = fsdp.gather(self.embed_positions, use.embed_positions)
             x = x + jax.vmap(table)(positions + self.position_offset)
         return x
 
     def _logits(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
-        h = normalise(fsdp.gathered(self.norm), x)
+        use = fsdp.layouts(self)
+        h = normalise(fsdp.gather(self.norm, use.norm), x)
         if self.lm_head is None:
-            logits = h @ fsdp.gathered(self.embed_tokens).weight.T
+            logits = h @ fsdp.gather(self.embed_tokens, use.embed_tokens).weight.T
         else:
-            logits = jax.vmap(fsdp.gathered(self.lm_head))(h)
+            logits = jax.vmap(fsdp.gather(self.lm_head, use.lm_head))(h)
         # The head's matmul runs in the parameters' dtype; the loss on its output in float32.
         logits = logits.astype(jnp.float32)
         vocab = self.config.vocab_size
@@ -259,50 +233,12 @@ class AbstractCausalLM(hf.HFModel):
         # Training runs each block under the remat policy; the cached (decoding) path
         # computes no gradients, so there is nothing to rematerialise.
         policy = self.remat if cache is None else "none"
-        if isinstance(self.blocks, DecoderBlock):
-            assert cache is None or isinstance(cache, KVCache)
-            params, static = eqx.partition(self.blocks, eqx.is_array)
-            # Under FSDP, each layer's weights are gathered inside the scan, one layer
-            # at a time, and gathered again in the backward pass rather than kept.
-            specs = fsdp.layer_specs(params, stacked=True)
 
-            def layer(
-                h: Float[Array, "seq hidden"], p: PyTree, c: KVCache | None
-            ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-                return eqx.combine(fsdp.gather(p, specs), static)(h, positions, c, index)
+        def layer(
+            block: DecoderBlock, h: Float[Array, "seq hidden"], c: KVCache | None
+        ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
+            return block(h, positions, c, index)
 
-            run = fsdp.under_policy(layer, policy, specs is not None)
-
-            def body(
-                h: Float[Array, "seq hidden"], xs: tuple[PyTree, KVCache | None]
-            ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-                return run(h, *xs)
-
-            return jax.lax.scan(body, x, (params, cache))
-        if cache is None:
-            for block in self.blocks:
-                x = self._block(block, x, positions, policy)
-            return x, None
-        assert isinstance(cache, tuple)
-        new = []
-        for block, c in zip(self.blocks, cache, strict=True):
-            x, c = block(x, positions, c, index)
-            assert c is not None
-            new.append(c)
-        return x, tuple(new)
-
-    @staticmethod
-    def _block(
-        block: DecoderBlock,
-        x: Float[Array, "seq hidden"],
-        positions: Real[Array, " seq"],
-        policy: str,
-    ) -> Float[Array, "seq hidden"]:
-        """One unrolled block under the remat policy, its weights gathered under FSDP."""
-        params, static = eqx.partition(block, eqx.is_array)
-        specs = fsdp.layer_specs(params, stacked=False)
-
-        def run(p: PyTree, h: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
-            return eqx.combine(fsdp.gather(p, specs), static)(h, positions)[0]
-
-        return fsdp.under_policy(run, policy, specs is not None)(params, x)
+        use = fsdp.layouts(self).blocks
+        x, new = run_stack(self.blocks, x, cache, layer, use, policy)
+        return x, None if cache is None else new

@@ -10,7 +10,8 @@ from jaxtyping import PRNGKeyArray
 
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
-from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from ._stack import make_stack
+from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
 from .layers import MLP, Attention, DecoderBlock, Norm, activation
 
@@ -136,7 +137,7 @@ class GPT2(AbstractCausalLM):
         self.embed_positions = normal_init(
             eqx.nn.Embedding(c.n_positions, c.n_embd, key=kp), std, key=kp
         )
-        self.blocks = make_blocks(block, c.n_layer, scan_layers=scan_layers, key=kb)
+        self.blocks = make_stack(block, c.n_layer, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.LayerNorm(c.n_embd, eps=eps)
         self.lm_head = None
 

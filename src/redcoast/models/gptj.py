@@ -9,7 +9,8 @@ from jaxtyping import PRNGKeyArray
 
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
-from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from ._stack import make_stack
+from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
 from .layers import MLP, Attention, DecoderBlock, Norm, activation
 
@@ -130,7 +131,7 @@ class GPTJ(AbstractCausalLM):
         tokens = eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt)
         self.embed_tokens = zero_unused_rows(normal_init(tokens, std, key=kt), c.vocab_size)
         self.embed_positions = None
-        self.blocks = make_blocks(block, c.n_layer, scan_layers=scan_layers, key=kb)
+        self.blocks = make_stack(block, c.n_layer, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.LayerNorm(c.n_embd, eps=eps)
         head = eqx.nn.Linear(c.n_embd, c.padded_vocab_size, key=kh)
         self.lm_head = zero_unused_rows(normal_init(head, std, key=kh), c.vocab_size)

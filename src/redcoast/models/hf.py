@@ -35,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ..data import to_host
+from ..fsdp import record_layout
 from ..mesh import DATA, MODEL
 from ..sharding import ShardingPlan, _check_spec, path_str, sharding_rules
 
@@ -652,7 +653,7 @@ def load(
             host = host.astype(dtype)
         leaves.append(_place(host, shardings.get(name)))
     _check_unused(checkpoint, cls, folder)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    return record_layout(jax.tree_util.tree_unflatten(treedef, leaves))
 
 
 def _convert(

@@ -9,7 +9,8 @@ from jaxtyping import PRNGKeyArray
 
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
-from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from ._stack import make_stack
+from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
 from .layers import Attention, DecoderBlock, Norm, SwiGLU, activation
 
@@ -167,7 +168,7 @@ class Llama(AbstractCausalLM):
             normal_init(tokens, std, key=kt), c.vocab_size, c.get_extra("pad_token_id")
         )
         self.embed_positions = None
-        self.blocks = make_blocks(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
+        self.blocks = make_stack(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps, use_bias=False)
         head = eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
         self.lm_head = (

@@ -9,7 +9,8 @@ from jaxtyping import PRNGKeyArray
 
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
-from .causal_lm import AbstractCausalLM, Blocks, make_blocks
+from ._stack import make_stack
+from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
 from .layers import MLP, Attention, DecoderBlock, Norm, activation
 
@@ -141,7 +142,7 @@ class OPT(AbstractCausalLM):
             c.max_position_embeddings + self.position_offset, c.hidden_size, key=kp
         )
         self.embed_positions = normal_init(positions, std, key=kp)
-        self.blocks = make_blocks(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
+        self.blocks = make_stack(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
         self.norm = eqx.nn.LayerNorm(c.hidden_size)
         head = eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
         self.lm_head = (

@@ -15,8 +15,7 @@ its input, and both feed-forward networks column- then row-parallel.
 
 import abc
 import dataclasses
-from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -28,10 +27,9 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 from .. import fsdp
 from ..rematerialisation import RematPolicy
 from . import hf
+from ._stack import Stack, run_stack
 from .checks import check_range
 from .layers import MLP, KVCache, Norm, SwiGLU, normalise
-
-_Layer = TypeVar("_Layer", bound=eqx.Module)
 
 
 class Seq2SeqAttention(eqx.Module):
@@ -203,80 +201,6 @@ class DecoderLayer(eqx.Module):
         return x, None if cache is None else own
 
 
-Stack = tuple[Any, ...] | Any
-"""Layers: a tuple, or one layer whose arrays carry a leading layer axis (scanned)."""
-
-
-def make_stack(
-    make: Callable[[PRNGKeyArray], _Layer], n_layers: int, *, scan_layers: bool, key: PRNGKeyArray
-) -> tuple[_Layer, ...] | _Layer:
-    """`n_layers` layers from `make(key)`: a tuple, or one layer with stacked arrays.
-
-    Args:
-        make: builds one layer from a key.
-        n_layers: how many.
-        scan_layers: stack them (run under `lax.scan`, compiled once) instead of a tuple.
-        key: split into one key per layer.
-
-    Returns:
-        The layers.
-    """
-    keys = jax.random.split(key, n_layers)
-    if scan_layers:
-        return eqx.filter_vmap(make)(keys)
-    return tuple(make(k) for k in keys)
-
-
-def run_stack(
-    layers: Stack,
-    x: Float[Array, "seq hidden"],
-    per_layer: PyTree,
-    fn: Callable[
-        [Any, Float[Array, "seq hidden"], PyTree], tuple[Float[Array, "seq hidden"], PyTree]
-    ],
-    policy: str = "none",
-) -> tuple[Float[Array, "seq hidden"], PyTree]:
-    """Thread `x` through the layers: `x, out = fn(layer, x, per_layer[i])` for each.
-
-    Args:
-        layers: a tuple, or stacked layers (then `lax.scan`).
-        x: the hidden states entering the first layer.
-        per_layer: one input per layer (a tuple, or stacked arrays for stacked layers),
-            or `None`.
-        fn: runs one layer.
-        policy: the remat policy each layer runs under (`rc.remat`). Under FSDP each
-            layer's weights are gathered where it runs (`redcoast.fsdp`).
-
-    Returns:
-        The last layer's hidden states and the layers' outputs (a tuple, or stacked).
-    """
-    if not isinstance(layers, tuple):
-        params, static = eqx.partition(layers, eqx.is_array)
-        specs = fsdp.layer_specs(params, stacked=True)
-
-        def one(p: PyTree, h: Array, extra: PyTree) -> tuple[Array, PyTree]:
-            return fn(eqx.combine(fsdp.gather(p, specs), static), h, extra)
-
-        run = fsdp.under_policy(one, policy, specs is not None)
-
-        def body(h: Array, layer: tuple[PyTree, PyTree]) -> tuple[Array, PyTree]:
-            return run(layer[0], h, layer[1])
-
-        return jax.lax.scan(body, x, (params, per_layer))
-    outs = []
-    for i, layer in enumerate(layers):
-        params, static = eqx.partition(layer, eqx.is_array)
-        specs = fsdp.layer_specs(params, stacked=False)
-
-        def each(p: PyTree, h: Array, extra: PyTree, static: Any = static, specs: Any = specs):
-            return fn(eqx.combine(fsdp.gather(p, specs), static), h, extra)
-
-        run = fsdp.under_policy(each, policy, specs is not None)
-        x, out = run(params, x, None if per_layer is None else per_layer[i])
-        outs.append(out)
-    return x, tuple(outs)
-
-
 def _mask_padded_vocab(logits: Float[Array, "seq vocab"], vocab: int) -> Float[Array, "seq vocab"]:
     # Rows padded for an even split (config.vocab_multiple) are never predicted; a mask
     # keeps the logits split on the vocabulary, where a slice would not.
@@ -286,7 +210,7 @@ def _mask_padded_vocab(logits: Float[Array, "seq vocab"], vocab: int) -> Float[A
     return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
 
 
-class AbstractSeq2SeqLM(hf.HFModel):
+class AbstractSeq2SeqLM(hf.HFModel, fsdp.FSDPModule):
     """An encoder-decoder language model: shared embeddings, two stacks, a vocabulary head.
 
     Called on one unbatched source sequence and one target sequence (the decoder input:
@@ -416,7 +340,8 @@ class AbstractSeq2SeqLM(hf.HFModel):
         def layer(block: EncoderLayer, h: Array, _: None) -> tuple[Array, None]:
             return block(h, visible, bias), None
 
-        x, _ = run_stack(self.encoder_blocks, x, None, layer, self.remat)
+        use = fsdp.layouts(self).encoder_blocks
+        x, _ = run_stack(self.encoder_blocks, x, None, layer, use, self.remat)
         return self._final(x, False)
 
     def cross_cache(self, memory: Float[Array, "src hidden"]) -> Stack:
@@ -426,7 +351,11 @@ class AbstractSeq2SeqLM(hf.HFModel):
             One `KVCache` per layer (a tuple), or one stacked `KVCache` for scanned layers.
         """
         _, out = run_stack(
-            self.decoder_blocks, memory, None, lambda b, h, _: (h, b.cross_attn.keys_values(h))
+            self.decoder_blocks,
+            memory,
+            None,
+            lambda b, h, _: (h, b.cross_attn.keys_values(h)),
+            fsdp.layouts(self).decoder_blocks,
         )
         return out
 
@@ -553,7 +482,8 @@ class AbstractSeq2SeqLM(hf.HFModel):
             per_layer = (cross, cache)
         # Decoding with a cache computes no gradients: nothing to rematerialise.
         policy = self.remat if cache is None else "none"
-        x, new = run_stack(self.decoder_blocks, x, per_layer, layer, policy)
+        use = fsdp.layouts(self).decoder_blocks
+        x, new = run_stack(self.decoder_blocks, x, per_layer, layer, use, policy)
         logits = self._head(self._final(x, True))
         return _mask_padded_vocab(logits, self.vocab_size), new
 

@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
+from ._stack import make_stack
 from .layers import MLP, SwiGLU, activation, normalise
 from .seq2seq import (
     AbstractSeq2SeqLM,
@@ -20,7 +21,6 @@ from .seq2seq import (
     Seq2SeqAttention,
     Stack,
     in_stack,
-    make_stack,
 )
 
 
