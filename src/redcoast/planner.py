@@ -686,7 +686,8 @@ def _search(
 ) -> MemoryPlan:
     tried: list[tuple[str, int | None]] = []
     abstract = eqx.filter_eval_shape(make_for("none"), jax.random.key(0))
-    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))
+    arrays = eqx.filter(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(arrays))
     last: MemoryPlan | None = None
     for candidate in _candidates(layout, config):
         if _floor(n_params, candidate, lora) > budget:
