@@ -99,7 +99,7 @@ def main(
         sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(optimizer.init, t)))
         for t in (full, eqx.filter(net, rc.trainable_mask(net, trainable)))
     )
-    print(f"optimizer state: {mb / 1e6:.1f} MB; full fine-tuning's {full_mb / 1e6:.1f} MB")
+    print(f"optimizer state: {mb / 1e6:.2f} MB; full fine-tuning's {full_mb / 1e6:.2f} MB")
     result = rc.fit(
         net,
         optimizer,
