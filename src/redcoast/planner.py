@@ -113,9 +113,10 @@ class LoRA:
         rank: the adapters' rank.
         targets: globs over the Linears' paths (`rc.lora.apply`), or `None` for
             every Linear but the output head: each block's attention and MLP
-            projections (PEFT's LLaMA default is q_proj and v_proj only; adapting
-            every projection trains about 2.5x more parameters and follows Hu et
-            al. and QLoRA, which found it gains the most per parameter).
+            projections. PEFT's LLaMA default is q_proj and v_proj only (Hu et al.'s
+            choice under a fixed parameter budget); QLoRA (Dettmers et al. 2023)
+            found adapters on every linear layer needed to match full fine-tuning.
+            On LLaMA-7B at rank 8 that is 20.0M trainable parameters against 4.2M.
         frozen_dtype: the dtype frozen weights are stored in; bfloat16 by default,
             since they get no gradient or update and only have to be read.
     """
