@@ -177,11 +177,12 @@ def test_cli_plans_lora_and_refuses_a_target_that_matches_nothing() -> None:
         main,
         [
             *("plan", "gpt2", "--seq-len", "32", "--lora-rank", "4"),
-            *("--lora-targets", "q_proj,v_proj", "--frozen-dtype", "bf16"),
+            *("--lora-targets", "q_proj,v_proj", "--frozen-dtype", "bf16", "--specs"),
         ],
     )
     assert ran.exit_code == 0, ran.output
     assert "LoRA rank 4 on q_proj, v_proj, frozen weights bfloat16" in ran.output
+    assert "blocks.attn.q_proj.lora_a.weight" in ran.output  # --specs shows the adapters
     bad = CliRunner().invoke(main, ["plan", "gpt2", "--lora-rank", "4", "--lora-targets", "qkv"])
     assert bad.exit_code != 0 and "match no eqx.nn.Linear" in bad.output
     assert "Traceback" not in bad.output

@@ -383,7 +383,7 @@ def plan(
             frozen_dtype=frozen_dtype,
         )
         if specs:
-            click.echo(str(planner.sharding_plan_of(model, result.layout)) + "\n")
+            click.echo(str(planner.sharding_plan_of(model, result.layout, result.lora)) + "\n")
     except (ValueError, TypeError) as err:
         raise click.ClickException(str(err)) from err
     click.echo(str(result))

@@ -394,10 +394,16 @@ def _plan_specs(abstract: Any, layout: Layout) -> ShardingPlan:
     )
 
 
-def sharding_plan_of(model: str | HFConfig, layout: Layout) -> ShardingPlan:
-    """The `ShardingPlan` `plan` uses for a preset or config under `layout`."""
+def sharding_plan_of(
+    model: str | HFConfig, layout: Layout, lora: LoRA | None = None
+) -> ShardingPlan:
+    """The `ShardingPlan` `plan` uses for a preset or config under `layout` (with the
+    adapters of `lora`, a `MemoryPlan.lora`)."""
     _, cls, config = _resolve(model)
-    abstract = eqx.filter_eval_shape(_factory(cls, config, layout.remat), jax.random.key(0))
+    make = _factory(cls, config, layout.remat)
+    abstract = eqx.filter_eval_shape(
+        make if lora is None else _with_lora(make, lora), jax.random.key(0)
+    )
     return _plan_specs(abstract, layout)
 
 
