@@ -6,7 +6,8 @@ read back from the partitioned HLO. Models: the tiny reference architectures and
 zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`, and the encoder-decoders `T5` and
 `BART`, whose cross-attention and two FFNs are split too) at the same size, and the
 architectures of `tests/architectures.py` (MoE, DiT, ViT, BERT, encoder-decoder,
-scan-over-layers, raw-array MLP), each with its own hand layout. Layouts:
+scan-over-layers, raw-array MLP), each with its own hand layout, and LoRA GPT-2 and
+LLaMA (rank 8 on every projection) against Megatron-LM's layout with its LoRA. Layouts:
 
 - ours:        redcoast.sharding_rules with example_call (the dataflow rules)
 - megatron:    the hand-written layout: Megatron-LM's (tests/tiny.py `megatron_specs`)

@@ -3,7 +3,9 @@
 Each example runs in its own process with its default options (8 simulated CPU
 devices), so the wall time includes start-up and compilation. The table of results
 (example, lines of code, metric reached, wall time) is printed and written to
-examples/RESULTS.md; the exit status is 1 if any example misses its bar.
+examples/RESULTS.md; the exit status is 1 if any example misses its bar. A row of
+VARIANTS runs an example with other options (finetune_lora: `--lora-rank 8`),
+measured against the example's own row, which runs with it.
 
 Run: python scripts/run_examples.py [EXAMPLE ...]   (or `nox -s examples`)
 """
