@@ -5,8 +5,9 @@ a folder of them, or a `.jsonl` of prompt/completion records (the loss then
 counts the completions only). With no arguments it runs offline: a small GPT-2
 and its BPE tokenizer pretrained on Python's documentation (built once, see
 `_pretrained.py`) are fine-tuned on another domain that ships with Python, the
-standard library's own source code. Prints held-out perplexity before and after
-and a sample, and writes the model and tokenizer with `to_hf`.
+standard library's own source code (`--lora-rank 8`: rank-8 LoRA adapters only,
+merged before writing). Prints held-out perplexity before and after, optimizer
+state and a sample, and writes the model and tokenizer with `to_hf`.
 """
 
 import math
@@ -14,6 +15,7 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -29,14 +31,8 @@ def perplexity(model, rows, mesh, batch_size: int) -> float:
         nll, n = rc.models.next_token_nll(m, batch["input_ids"], batch["loss_mask"])
         return {"nll": nll, "n": n}
 
-    out = rc.predict(
-        model,
-        rows,
-        collate_fn=rc.text.collate,
-        pred_fn=pred_fn,
-        mesh=mesh,
-        per_device_batch_size=batch_size,
-    )
+    how = {"collate_fn": rc.text.collate, "mesh": mesh, "per_device_batch_size": batch_size}
+    out = rc.predict(model, rows, pred_fn=pred_fn, **how)
     return math.exp(sum(float(o["nll"]) for o in out) / sum(float(o["n"]) for o in out))
 
 
@@ -50,6 +46,7 @@ def main(
     per_device_batch_size: int = 4,
     max_steps: int = 150,
     learning_rate: float = 1e-3,
+    lora_rank: int = 0,
     eval_rows: int = 128,
     prompt: str = "def read_file(path):\n",
     base_dir: str = "runs/finetune/base",
@@ -69,6 +66,7 @@ def main(
         per_device_batch_size: rows per data-parallel device per step.
         max_steps: optimizer steps.
         learning_rate: peak AdamW learning rate (warm-up, then cosine decay).
+        lora_rank: above 0, train LoRA adapters of this rank on every projection only.
         eval_rows: held-out rows (the end of the data) for the perplexity.
         prompt: the sample's prompt.
         base_dir: where the default base checkpoint is built and cached.
@@ -91,10 +89,20 @@ def main(
     )
     train, held_out = rows[: len(rows) - eval_rows], rows[len(rows) - eval_rows :]
     before = perplexity(net, held_out, mesh, per_device_batch_size)
+    full = eqx.filter(net, eqx.is_inexact_array)
+    if lora_rank:  # every Linear: the attention and MLP projections (GPT-2 ties its head)
+        net = rc.lora.apply(net, lambda *_: True, rank=lora_rank, key=jax.random.key(1))
+    trainable = rc.lora.trainable(net) if lora_rank else None
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max_steps // 10, max_steps)
+    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule)
+    full_mb, mb = (  # AdamW's moments: of every weight, and of the trainable ones
+        sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(optimizer.init, t)))
+        for t in (full, eqx.filter(net, rc.trainable_mask(net, trainable)))
+    )
+    print(f"optimizer state: {mb / 1e6:.2f} MB; full fine-tuning's {full_mb / 1e6:.2f} MB")
     result = rc.fit(
         net,
-        optax.inject_hyperparams(optax.adamw)(learning_rate=schedule),
+        optimizer,
         train,
         collate_fn=rc.text.collate,
         loss_fn=rc.models.lm_loss,
@@ -103,26 +111,22 @@ def main(
         max_steps=max_steps,
         workdir=workdir,
         donate=True,
+        trainable=trainable,
     )
     after = perplexity(result.model, held_out, mesh, per_device_batch_size)
     print(f"held-out perplexity: {before:.2f} before, {after:.2f} after ({after / before:.2f}x)")
     tok = rc.text.load_tokenizer(folder)
     ids = np.asarray([tok.fast.encode(prompt).ids], np.int32)
-    new = rc.models.generate(
-        result.model,
-        ids,
-        max_new_tokens=48,
-        temperature=0.7,
-        eos_id=tok.eos_id,
-        key=jax.random.key(0),
-    )
+    sampling = {"max_new_tokens": 48, "temperature": 0.7, "eos_id": tok.eos_id}
+    new = rc.models.generate(result.model, ids, key=jax.random.key(0), **sampling)
     print("sample:", repr(prompt + tok.fast.decode(np.asarray(new[0]).tolist())))
-    result.model.to_hf(output)
+    (rc.lora.merge(result.model) if lora_rank else result.model).to_hf(output)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (folder / name).is_file():
             shutil.copy(folder / name, Path(output) / name)
     print(f"wrote {output}: transformers' AutoModelForCausalLM and AutoTokenizer open it")
-    return {"perplexity_before": before, "perplexity_after": after, "ratio": after / before}
+    gain = {"perplexity_before": before, "perplexity_after": after, "ratio": after / before}
+    return gain | {"opt_state": mb / full_mb}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ read back from the partitioned HLO. Models: the tiny reference architectures and
 zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`, and the encoder-decoders `T5` and
 `BART`, whose cross-attention and two FFNs are split too) at the same size, and the
 architectures of `tests/architectures.py` (MoE, DiT, ViT, BERT, encoder-decoder,
-scan-over-layers, raw-array MLP), each with its own hand layout. Layouts:
+scan-over-layers, raw-array MLP), each with its own hand layout, and LoRA GPT-2 and
+LLaMA (rank 8 on every projection) against Megatron-LM's layout with its LoRA. Layouts:
 
 - ours:        redcoast.sharding_rules with example_call (the dataflow rules)
 - megatron:    the hand-written layout: Megatron-LM's (tests/tiny.py `megatron_specs`)
@@ -165,6 +166,36 @@ PADDED = {
 MODELS.update(PADDED)
 
 
+def lora(model: eqx.Module) -> eqx.Module:
+    """`model` with rank-8 LoRA on every projection, B nonzero (as after training)."""
+    wrapped = rc.lora.apply(model, lambda *_: True, rank=8, key=jax.random.key(2))
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.full_like(x, 0.01) if "lora_b" in rc.sharding.path_str(p) else x,
+        wrapped,
+    )
+
+
+# LoRA models against Megatron-LM's layout with its LoRA (tests/tiny.py `_lora_spec`).
+LORA = {
+    "lora zoo gpt2": lambda: lora(MODELS["zoo gpt2"]()),
+    "lora zoo llama (8 KV heads)": lambda: lora(
+        rc.models.Llama(
+            rc.models.LlamaConfig(
+                vocab_size=512,
+                hidden_size=256,
+                intermediate_size=688,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=8,
+            ),
+            key=KEY,
+        )
+    ),
+    "lora zoo llama (2 KV heads)": lambda: lora(MODELS["zoo llama (2 KV heads)"]()),
+}
+MODELS.update(LORA)
+
+
 def batch_for(name: str) -> object:
     key = jax.random.key(1)
     if name in ("deep mlp", "raw-array mlp (einsum)"):
@@ -267,7 +298,9 @@ def main() -> None:
         x = batch_for(name)
         for n in args.shards:
             # Beyond the zoo only ours and the hand layout are compiled (time).
-            chosen_layouts = ("ours", "megatron") if name in {**ARCHS, **PADDED} else layouts
+            chosen_layouts = (
+                ("ours", "megatron") if name in {**ARCHS, **PADDED, **LORA} else layouts
+            )
             result = {
                 name_: measure(
                     PADDED["zoo gpt2 vocab 50257 padded"]()

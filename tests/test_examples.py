@@ -81,8 +81,10 @@ def test_every_example_has_a_smoke_test():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data", ["text", "jsonl"])
-def test_finetune_hands_back_a_folder_transformers_generates_from(data, tmp_path):
+@pytest.mark.parametrize(
+    ("data", "lora_rank"), [("text", 0), ("jsonl", 0), ("text", 4)], ids=["text", "jsonl", "lora"]
+)
+def test_finetune_hands_back_a_folder_transformers_generates_from(data, lora_rank, tmp_path):
     transformers = pytest.importorskip("transformers")
     base = tiny_gpt2(tmp_path / "base")
     if data == "text":
@@ -97,13 +99,15 @@ def test_finetune_hands_back_a_folder_transformers_generates_from(data, tmp_path
     out, metrics = tmp_path / "out", tmp_path / "metrics.json"
     args = ["run", "finetune", "--model", str(base), "--data", str(source), "--seq-len", "32"]
     args += ["--max-steps", "3", "--eval-rows", "16", "--per-device-batch-size", "2"]
-    args += ["--output", str(out), "--metrics-json", str(metrics)]
+    args += ["--output", str(out), "--metrics-json", str(metrics), "--lora-rank", str(lora_rank)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "held-out perplexity" in result.output and "sample:" in result.output
     found = json.loads(metrics.read_text())
-    assert set(found) == {"perplexity_before", "perplexity_after", "ratio"}
+    assert set(found) == {"perplexity_before", "perplexity_after", "ratio", "opt_state"}
     assert found["perplexity_after"] < found["perplexity_before"]
+    # With LoRA, AdamW keeps state for the adapters only; the merged model is plain.
+    assert (found["opt_state"] < 0.5) if lora_rank else (found["opt_state"] == 1.0)
     # transformers opens what it wrote, and generates what redcoast generates.
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)

@@ -9,6 +9,7 @@ import optax
 import pytest
 from beartype import beartype
 from jaxtyping import Array, Float, PRNGKeyArray, jaxtyped
+from tiny import megatron_specs
 
 import redcoast as rc
 from redcoast.checkpoint import checkpoint_state
@@ -350,6 +351,19 @@ def test_adapters_split_with_their_base_and_never_on_the_rank(arch, n):
     for leaf in plain.leaves:
         wrapped = leaf.path.replace(".weight", ".base.weight").replace(".bias", ".base.bias")
         assert specs.get(leaf.path, specs.get(wrapped)) == tuple(leaf.spec), leaf.path
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_lora_layout_is_megatron_lms_with_megatron_style_lora(arch, n):
+    # bench_comm's reference: A replicated and B column-split beside a column base,
+    # A row-split and B replicated beside a row base, both whole beside a whole base.
+    model = _lora_zoo(arch, scan_layers=True)
+    ours = rc.sharding_rules(model, n, example_call=_trace)
+    is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
+    assert jax.tree.leaves(ours, is_leaf=is_spec) == jax.tree.leaves(
+        megatron_specs(model, n), is_leaf=is_spec
+    )
 
 
 def _step_once(model, mesh, fsdp):

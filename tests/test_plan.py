@@ -140,3 +140,46 @@ def test_cli_plans_and_reports(tmp_path: Path) -> None:
     bad = CliRunner().invoke(main, ["plan", "resnet"])
     assert bad.exit_code != 0 and "unknown model 'resnet'" in bad.output
     assert "Traceback" not in bad.output
+
+
+WIDE = rc.models.LlamaConfig(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+)
+
+
+def test_a_lora_plan_keeps_optimizer_state_for_the_adapters_only() -> None:
+    full = rc.plan(WIDE, devices=1, seq_len=16, max_batch=False)
+    lora = rc.plan(WIDE, devices=1, seq_len=16, max_batch=False, lora_rank=2)
+    assert lora.opt_state <= 0.02 * full.opt_state, (lora.opt_state, full.opt_state)
+    assert lora.gradients <= 0.02 * full.gradients
+    # Frozen weights in bfloat16 by default: about half the parameter bytes of fp32.
+    assert lora.params < 0.52 * full.params
+    as_fp32 = rc.plan(
+        WIDE, devices=1, seq_len=16, max_batch=False, lora_rank=2, frozen_dtype="fp32"
+    )
+    assert as_fp32.params > full.params  # every fp32 weight plus the adapters
+    assert lora.n_trainable == as_fp32.n_trainable < 0.02 * lora.n_params
+    assert "LoRA rank 2 on the attention and MLP projections" in str(lora)
+    assert f"{lora.n_trainable:,} trainable parameters" in str(lora)
+
+
+def test_cli_plans_lora_and_refuses_a_target_that_matches_nothing() -> None:
+    ran = CliRunner().invoke(
+        main,
+        [
+            *("plan", "gpt2", "--seq-len", "32", "--lora-rank", "4"),
+            *("--lora-targets", "q_proj,v_proj", "--frozen-dtype", "bf16", "--specs"),
+        ],
+    )
+    assert ran.exit_code == 0, ran.output
+    assert "LoRA rank 4 on q_proj, v_proj, frozen weights bfloat16" in ran.output
+    assert "blocks.attn.q_proj.lora_a.weight" in ran.output  # --specs shows the adapters
+    bad = CliRunner().invoke(main, ["plan", "gpt2", "--lora-rank", "4", "--lora-targets", "qkv"])
+    assert bad.exit_code != 0 and "match no eqx.nn.Linear" in bad.output
+    assert "Traceback" not in bad.output

@@ -250,6 +250,21 @@ def _first_attention(model: eqx.Module) -> eqx.Module | None:
     return getattr(blocks, "attn", None)
 
 
+_LORA_PARTS = ("base", "lora_a", "lora_b")
+
+
+def _lora_spec(owner: str, part: str, leaf: Array, base: P) -> P:
+    """A LoRA adapter beside a Megatron-split base, as Megatron-based LoRA splits it: A
+    replicated and B column-parallel beside a column-parallel base; A row-parallel and B
+    replicated beside a row-parallel one; both replicated beside a replicated base."""
+    if part == "base" or not any(base):
+        return base if part == "base" else P()
+    column = owner in _COLUMN
+    if (part == "lora_b") == column:
+        return base
+    return P()
+
+
 def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
     """The layout Megatron-LM (Shoeybi et al. 2019) uses, written out by hand by layer name.
 
@@ -257,7 +272,8 @@ def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
     O and MLP output, a vocabulary-parallel token embedding, and everything else
     (norms, position tables) replicated; Q or K/V whose heads do not divide the shards
     are replicated (Megatron's grouped-query attention with fewer groups than shards).
-    Stacked layers (scanned) keep the layout on their trailing axes. `DeepMLP`
+    Stacked layers (scanned) keep the layout on their trailing axes; a LoRA layer's
+    base splits as the layer, its adapters as `_lora_spec` says. `DeepMLP`
     alternates column, row, column, ... Covers the tiny models and the decoder zoo;
     the reference the sharding rules are checked against.
     """
@@ -274,6 +290,8 @@ def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
         if len(names) < 2:  # BART's final_logits_bias: split with the vocabulary it biases
             return P(MODEL) if names == ["final_logits_bias"] else P()
         owner, kind = names[-2], names[-1]
+        if owner in _LORA_PARTS and len(names) >= 3:
+            return _lora_spec(names[-3], owner, leaf, spec(path[:-2] + path[-1:], leaf))
         if isinstance(model, DeepMLP):
             column = int(names[1]) % 2 == 0
             if kind == "weight":

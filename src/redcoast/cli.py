@@ -320,6 +320,24 @@ def run() -> None:
     help="Memory per device with its unit: 32GB, 40GiB (a bare 40 is refused).",
 )
 @click.option("--search", is_flag=True, help="Find the cheapest layout that fits.")
+@click.option(
+    "--lora-rank",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Plan LoRA fine-tuning with adapters of this rank (0: train every weight).",
+)
+@click.option(
+    "--lora-targets",
+    default=None,
+    help="Comma-separated globs of the Linears to adapt  [default: attention and MLP projections]",
+)
+@click.option(
+    "--frozen-dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="Dtype of the frozen weights with LoRA  [default: bf16]",
+)
 @click.option("--specs", is_flag=True, help="Also print every weight's split and why.")
 @click.option("--json", "json_path", default=None, help="Also write the figures to this file.")
 def plan(
@@ -333,12 +351,16 @@ def plan(
     remat: str,
     device_memory: str | None,
     search: bool,
+    lora_rank: int,
+    lora_targets: str | None,
+    frozen_dtype: str | None,
     specs: bool,
     json_path: str | None,
 ) -> None:
     """Will MODEL train on this hardware? MODEL is a zoo preset (gpt2-large, llama-7b,
     gpt-j-6b, opt-13b, opt-66b, ...) or a config.json. Compiles the AdamW train step
-    for simulated devices on abstract shapes and reports memory per device."""
+    for simulated devices on abstract shapes and reports memory per device. With
+    --lora-rank, plans LoRA fine-tuning: only the adapters get gradients and AdamW state."""
     if json_path is not None:
         _check_writable(json_path, "--json")
     _simulate_devices(devices)
@@ -356,9 +378,12 @@ def plan(
             remat=remat,
             device_memory=device_memory,
             search=search,
+            lora_rank=lora_rank,
+            lora_targets=lora_targets,
+            frozen_dtype=frozen_dtype,
         )
         if specs:
-            click.echo(str(planner.sharding_plan_of(model, result.layout)) + "\n")
+            click.echo(str(planner.sharding_plan_of(model, result.layout, result.lora)) + "\n")
     except (ValueError, TypeError) as err:
         raise click.ClickException(str(err)) from err
     click.echo(str(result))

@@ -106,6 +106,101 @@ class Layout:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRA:
+    """What a LoRA plan trains: rank-`rank` adapters on `targets`, the rest frozen.
+
+    Attributes:
+        rank: the adapters' rank.
+        targets: globs over the Linears' paths (`rc.lora.apply`), or `None` for
+            every Linear but the output head: each block's attention and MLP
+            projections. PEFT's LLaMA default is q_proj and v_proj only (Hu et al.'s
+            choice under a fixed parameter budget); QLoRA (Dettmers et al. 2023)
+            found adapters on every linear layer needed to match full fine-tuning.
+            On LLaMA-7B at rank 8 that is 20.0M trainable parameters against 4.2M.
+        frozen_dtype: the dtype frozen weights are stored in; bfloat16 by default,
+            since they get no gradient or update and only have to be read.
+    """
+
+    rank: int
+    targets: tuple[str, ...] | None = None
+    frozen_dtype: str = "bfloat16"
+
+    def describe(self) -> str:
+        """`LoRA rank 8 on q_proj, v_proj, frozen weights bfloat16` and the like."""
+        where = (
+            "the attention and MLP projections (every Linear but the head)"
+            if self.targets is None
+            else ", ".join(self.targets)
+        )
+        return f"LoRA rank {self.rank} on {where}, frozen weights {self.frozen_dtype}"
+
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+_DTYPES |= {"fp16": "float16", "float16": "float16"}
+
+
+def _lora_settings(
+    rank: int, targets: str | tuple[str, ...] | list[str] | None, frozen_dtype: Any
+) -> LoRA | None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"lora_rank must be an int >= 0 (0: no LoRA), got {rank!r}.")
+    if rank == 0:
+        if targets is not None or frozen_dtype is not None:
+            raise ValueError("lora_targets and frozen_dtype need lora_rank > 0.")
+        return None
+    if isinstance(targets, str):
+        targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    if frozen_dtype is None or isinstance(frozen_dtype, str):
+        name = _DTYPES.get((frozen_dtype or "bf16").lower(), "")
+    else:
+        name = str(jnp.dtype(frozen_dtype).name)
+    if name not in _DTYPES.values():
+        raise ValueError(
+            f"frozen_dtype {frozen_dtype!r}: choose bf16, fp16 or fp32 (or a jnp dtype of those)."
+        )
+    return LoRA(rank, None if targets is None else tuple(targets), name)
+
+
+def _not_head(path: str, linear: Any) -> bool:
+    del linear
+    return path.split(".")[-1] != "lm_head"
+
+
+def _with_lora(make: Callable[[PRNGKeyArray], Any], lora: LoRA) -> Callable[[PRNGKeyArray], Any]:
+    """`make` with `rc.lora.apply` on its model; works under `eqx.filter_eval_shape`."""
+    from ._lora import apply
+
+    def made(key: PRNGKeyArray) -> Any:
+        model_key, lora_key = jax.random.split(key)
+        targets = _not_head if lora.targets is None else list(lora.targets)
+        return apply(make(model_key), targets, rank=lora.rank, key=lora_key)
+
+    return made
+
+
+def _lora_arrays(
+    abstract: PyTree, params: PyTree, lora: LoRA | None
+) -> tuple[PyTree, PyTree, PyTree | None]:
+    """For the arrays `params` of the model `abstract`: (`params` with frozen leaves in
+    `lora.frozen_dtype`, the trainable ones, the step's trainable mask or `None`)."""
+    if lora is None:
+        return params, params, None
+    from ._lora import trainable
+
+    mask = trainable(abstract)
+    on_params = jax.tree.map(
+        lambda m, x: m if isinstance(x, jax.ShapeDtypeStruct) else None, mask, abstract
+    )
+
+    def store(x: Any, trains: bool) -> Any:
+        if trains or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, jnp.dtype(lora.frozen_dtype), sharding=x.sharding)
+
+    return jax.tree.map(store, params, on_params), eqx.filter(params, on_params), mask
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Per-device bytes of one compiled train step, and the verdict.
 
@@ -124,6 +219,8 @@ class MemoryPlan:
         max_batch: the largest per-device batch that fits, when asked and known.
         compile_seconds: time to compile the step.
         tried: other layouts compiled on the way (`--search`), with their peaks.
+        lora: the LoRA settings of a LoRA plan, else `None`.
+        n_trainable: parameters that train (all of them without LoRA).
     """
 
     model: str
@@ -138,6 +235,8 @@ class MemoryPlan:
     max_batch: int | None = None
     compile_seconds: float = 0.0
     tried: tuple[tuple[str, int | None], ...] = ()
+    lora: LoRA | None = None
+    n_trainable: int | None = None
 
     @property
     def activations(self) -> int:
@@ -169,6 +268,15 @@ class MemoryPlan:
         out["peak_keeping_model"] = self.peak_keeping_model
         return out
 
+    def _lora_lines(self) -> list[str]:
+        if self.lora is None:
+            return []
+        trained = self.n_trainable or 0
+        return [
+            f"{self.lora.describe()}: {trained:,} trainable parameters "
+            f"({100 * trained / self.n_params:.2f}%); gradients and optimizer state for them only"
+        ]
+
     def __str__(self) -> str:
         verdict = {None: "", True: "fits", False: "does not fit"}[self.fits]
         budget = "" if self.device_memory is None else f" of {fmt_bytes(self.device_memory)}"
@@ -176,6 +284,7 @@ class MemoryPlan:
             f"{self.model}: {self.n_params / 1e9:.2f}B parameters, {self.layout.seq_len} tokens, "
             f"{self.layout.devices} devices",
             f"layout: {self.layout}",
+            *self._lora_lines(),
             f"per device: parameters {fmt_bytes(self.params)}, optimizer state "
             f"{fmt_bytes(self.opt_state)}, gradients {fmt_bytes(self.gradients)}, "
             f"activations and workspace {fmt_bytes(self.activations)}",
@@ -289,15 +398,21 @@ def _plan_specs(abstract: Any, layout: Layout) -> ShardingPlan:
     )
 
 
-def sharding_plan_of(model: str | HFConfig, layout: Layout) -> ShardingPlan:
-    """The `ShardingPlan` `plan` uses for a preset or config under `layout`."""
+def sharding_plan_of(
+    model: str | HFConfig, layout: Layout, lora: LoRA | None = None
+) -> ShardingPlan:
+    """The `ShardingPlan` `plan` uses for a preset or config under `layout` (with the
+    adapters of `lora`, a `MemoryPlan.lora`)."""
     _, cls, config = _resolve(model)
-    abstract = eqx.filter_eval_shape(_factory(cls, config, layout.remat), jax.random.key(0))
+    make = _factory(cls, config, layout.remat)
+    abstract = eqx.filter_eval_shape(
+        make if lora is None else _with_lora(make, lora), jax.random.key(0)
+    )
     return _plan_specs(abstract, layout)
 
 
 def _compile(
-    make: Callable[[PRNGKeyArray], Any], layout: Layout
+    make: Callable[[PRNGKeyArray], Any], layout: Layout, lora: LoRA | None = None
 ) -> tuple[int, int, int, int, int, int, float]:
     """(n_params, params, opt_state, gradients, temporaries, peak, seconds) per device."""
     from .step import train_step
@@ -315,8 +430,9 @@ def _compile(
     # `rc.place` does from real ones, so the step gathers as `fit`'s does.
     placed = record_layout(eqx.combine(_abstract(arrays, shardings, master), static))
     params, static = eqx.partition(placed, _is_abstract)
+    params, trained, mask = _lora_arrays(placed, params, lora)
     optimizer = optax.adamw(1e-4)
-    state = jax.eval_shape(optimizer.init, params)
+    state = jax.eval_shape(optimizer.init, trained)
     flat_params = [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
     flat_state, state_def = jax.tree_util.tree_flatten_with_path(state)
     state_specs = optimizer_specs(
@@ -341,6 +457,8 @@ def _compile(
     options: dict[str, Any] = {}
     if layout.precision != "fp32":
         options["precision"] = layout.precision
+    if mask is not None:
+        options["trainable"] = mask
     step = train_step(_loss, optimizer, mesh=mesh, jit=False, **options)
 
     def run(p: Any, s: Any, b: Any, k: Any) -> Any:
@@ -358,7 +476,7 @@ def _compile(
     param_bytes = _local_bytes(params)
     state_bytes = _local_bytes(state)
     n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
-    grads = param_bytes  # one gradient per parameter, in the parameters' dtype
+    grads = _local_bytes(trained)  # one gradient per trainable parameter, in its dtype
     temp = int(stats.temp_size_in_bytes)
     outputs = int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes)
     peak = int(stats.argument_size_in_bytes) + temp + max(outputs, 0)
@@ -403,11 +521,34 @@ def _check_layout(layout: Layout, config: HFConfig | None) -> None:
 
 
 def _measure(
-    name: str, make: Callable[[PRNGKeyArray], Any], layout: Layout, device_memory: int | None
+    name: str,
+    make: Callable[[PRNGKeyArray], Any],
+    layout: Layout,
+    device_memory: int | None,
+    lora: LoRA | None = None,
 ) -> MemoryPlan:
-    n_params, params, state, grads, temp, peak, seconds = _compile(make, layout)
+    n_params, params, state, grads, temp, peak, seconds = _compile(make, layout, lora)
+    n_trainable = n_params
+    if lora is not None:
+        from ._lora import trainable
+
+        abstract = eqx.filter_eval_shape(make, jax.random.key(0))
+        kept = eqx.filter(abstract, trainable(abstract))
+        n_trainable = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(kept))
     return MemoryPlan(
-        name, n_params, layout, params, state, grads, temp, peak, device_memory, None, seconds
+        name,
+        n_params,
+        layout,
+        params,
+        state,
+        grads,
+        temp,
+        peak,
+        device_memory,
+        None,
+        seconds,
+        lora=lora,
+        n_trainable=n_trainable,
     )
 
 
@@ -419,7 +560,7 @@ def _max_batch(
     if first.peak > budget:
         return None
     second = _measure(
-        name, make, dataclasses.replace(first.layout, per_device_batch_size=2 * b), None
+        name, make, dataclasses.replace(first.layout, per_device_batch_size=2 * b), None, first.lora
     )
     slope = (second.peak - first.peak) / b
     if slope <= 0:
@@ -429,7 +570,7 @@ def _max_batch(
         if guess <= b:
             return b
         layout = dataclasses.replace(first.layout, per_device_batch_size=guess)
-        peak = _measure(name, make, layout, None).peak
+        peak = _measure(name, make, layout, None, first.lora).peak
         if peak <= budget:
             return guess
         guess = b + int((guess - b) * budget / peak) - 1
@@ -451,9 +592,12 @@ def _candidates(layout: Layout, config: HFConfig | None) -> Iterator[Layout]:
                 yield dataclasses.replace(layout, n_model_shards=t, fsdp=split, remat=remat)
 
 
-def _floor(n_params: int, layout: Layout) -> float:
-    """Parameters + AdamW state + gradients per device if perfectly divided."""
+def _floor(n_params: int, layout: Layout, lora: LoRA | None = None) -> float:
+    """Parameters + AdamW state + gradients per device if perfectly divided (with LoRA,
+    the frozen parameters alone)."""
     master = 2 if layout.precision == "pure-bf16" else 4
+    if lora is not None:
+        master = jnp.dtype(lora.frozen_dtype).itemsize / 4
     ways = layout.devices if layout.fsdp else layout.n_model_shards
     return n_params * (4 * master) / ways
 
@@ -471,6 +615,9 @@ def plan(
     device_memory: int | str | None = None,
     search: bool = False,
     max_batch: bool = True,
+    lora_rank: int = 0,
+    lora_targets: str | list[str] | tuple[str, ...] | None = None,
+    frozen_dtype: Any = None,
 ) -> MemoryPlan:
     """Compile the AdamW train step for `devices` devices on abstract shapes and measure it.
 
@@ -492,6 +639,14 @@ def plan(
             `_candidates` for the order); the given layout is the first tried.
         max_batch: with `device_memory`, also find the largest per-device batch that
             fits (two or three more compiles).
+        lora_rank: above 0, plan LoRA fine-tuning: `rc.lora.apply` with this rank,
+            and a step with `trainable=rc.lora.trainable(model)`, so frozen weights
+            get no gradient and no optimizer state.
+        lora_targets: globs (or one comma-separated string) over the Linears' paths
+            to adapt; by default every Linear but the output head, i.e. each
+            block's attention and MLP projections (see `LoRA`).
+        frozen_dtype: the dtype of frozen weights with LoRA, `"bf16"` (the default),
+            `"fp16"` or `"fp32"`.
 
     Returns:
         A `MemoryPlan`; `str()` is a readable report, `.to_dict()` JSON.
@@ -506,6 +661,7 @@ def plan(
         ...               remat="full", device_memory="40GB"))
     """
     budget = None if device_memory is None else parse_bytes(device_memory)
+    lora = _lora_settings(lora_rank, lora_targets, frozen_dtype)
     layout = Layout(devices, n_model_shards, fsdp, precision, remat, per_device_batch_size, seq_len)
     if callable(model) and not isinstance(model, str | HFConfig):
         if remat != "none" or search:
@@ -517,13 +673,16 @@ def plan(
     else:
         name, cls, config = _resolve(model)
         make_for = lambda r: _factory(cls, config, r)  # noqa: E731
+    if lora is not None:
+        plain = make_for
+        make_for = lambda r: _with_lora(plain(r), lora)  # noqa: E731
     _check_layout(layout, config)
     if search:
         if budget is None:
             raise ValueError("search needs device_memory, the budget a layout must fit in.")
-        result = _search(name, make_for, layout, config, budget)
+        result = _search(name, make_for, layout, config, budget, lora)
     else:
-        result = _measure(name, make_for(remat), layout, budget)
+        result = _measure(name, make_for(remat), layout, budget, lora)
     if max_batch and budget is not None and result.fits:
         found = _max_batch(name, make_for(result.layout.remat), result, budget)
         result = dataclasses.replace(result, max_batch=found)
@@ -536,16 +695,18 @@ def _search(
     layout: Layout,
     config: HFConfig | None,
     budget: int,
+    lora: LoRA | None = None,
 ) -> MemoryPlan:
     tried: list[tuple[str, int | None]] = []
     abstract = eqx.filter_eval_shape(make_for("none"), jax.random.key(0))
-    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(abstract))
+    arrays = eqx.filter(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(arrays))
     last: MemoryPlan | None = None
     for candidate in _candidates(layout, config):
-        if _floor(n_params, candidate) > budget:
+        if _floor(n_params, candidate, lora) > budget:
             tried.append((str(candidate), None))
             continue
-        last = _measure(name, make_for(candidate.remat), candidate, budget)
+        last = _measure(name, make_for(candidate.remat), candidate, budget, lora)
         if last.fits:
             return dataclasses.replace(last, tried=tuple(tried))
         tried.append((str(candidate), last.peak))
@@ -553,5 +714,5 @@ def _search(
         # Arithmetic ruled out every layout; compile the most frugal one to show by how much.
         frugal = list(_candidates(layout, config))[-1]
         tried.pop()
-        last = _measure(name, make_for(frugal.remat), frugal, budget)
+        last = _measure(name, make_for(frugal.remat), frugal, budget, lora)
     return dataclasses.replace(last, tried=tuple(tried))
