@@ -44,8 +44,11 @@ temporaries, and the peak (arguments + temporaries + outputs that do not reuse a
 donated buffer). FLOPs and bytes accessed are `cost_analysis()`'s; collectives are
 counted in the partitioned HLO (`redcoast.hlo`; a loop body's collectives once).
 
-`--variants` adds redcoast rows that leave out work MaxText's step does not do, to
-measure what each costs.
+Where MaxText's step does less work than redcoast's, `--variants` measures what that
+work costs: a redcoast row without the zoo's token-id range check (MaxText checks no
+ids; traced under Equinox's `EQX_ON_ERROR=off`), and the time of `train_step`'s
+non-finite check (every updated parameter read once) run alone as its own program.
+Repeats then alternate between the order of the rows and its reverse.
 
 Run: nox -s bench_maxtext -- --reps 5    (the session installs MaxText and its
      decoupled CPU requirements in its own venv, never as a redcoast dependency)
@@ -54,6 +57,7 @@ Run: nox -s bench_maxtext -- --reps 5    (the session installs MaxText and its
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -61,7 +65,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +74,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -82,6 +87,7 @@ D, L, H, F, V, S, BATCH = 256, 4, 8, 1024, 1024, 128, 32
 LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.95, 1e-8, 0.1
 LAYOUTS = {"fsdp8": (8, 1), "tp2xfsdp4": (4, 2)}  # name -> (fsdp, tensor)
 MAXTEXT, REDCOAST = "MaxText", "redcoast"
+NO_ID_CHECK = "redcoast, no token-id check"
 
 
 @dataclasses.dataclass
@@ -154,6 +160,7 @@ def maxtext_config(fsdp: int, tensor: int, workdir: Path) -> Any:
         "ici_fsdp_parallelism": fsdp,
         "ici_tensor_parallelism": tensor,
         "steps": 1000,
+        "jax_cache_dir": "",  # no persistent compilation cache: compile times are compiles
     }
     argv = ["bench", str(base), *(f"{k}={v}" for k, v in overrides.items())]
     return pyconfig.initialize(argv)
@@ -219,9 +226,14 @@ def redcoast_loss(model: rc.models.Llama, batch: dict[str, jax.Array], key: Any)
 
 
 def redcoast_contestant(
-    name: str, n_tensor: int, ids: dict[str, np.ndarray], compiles: int
+    name: str, n_tensor: int, ids: dict[str, np.ndarray], compiles: int, *, id_check: bool = True
 ) -> Contestant:
-    """`rc.models.Llama`, FSDP over the data axis, stepped by `rc.train_step` (fit's path)."""
+    """`rc.models.Llama`, FSDP over the data axis, stepped by `rc.train_step` (fit's path).
+
+    With `id_check=False` the step is traced under `EQX_ON_ERROR=off`, Equinox's switch
+    that the zoo's token-id range check honours: the check (an all-reduce of one flag
+    and a `cond` per step) leaves the program.
+    """
     config = rc.models.LlamaConfig(
         vocab_size=V,
         hidden_size=D,
@@ -243,7 +255,8 @@ def redcoast_contestant(
     held = [(model, state)]
 
     def lower() -> Any:
-        return step.lower(*held[0], batch, key).compile().compiled
+        with errors_off(not id_check):
+            return step.lower(*held[0], batch, key).compile().compiled
 
     compiled, compile_s = timed_compiles(lower, compiles)
 
@@ -256,8 +269,63 @@ def redcoast_contestant(
             jax.block_until_ready((m, s, metrics))
         return float(loss)
 
-    first = run(1)
+    with errors_off(not id_check):
+        first = run(1)  # traces and compiles the step that later calls reuse
     return Contestant(name, run, compiled, compile_s, first)
+
+
+@contextlib.contextmanager
+def errors_off(off: bool) -> Iterator[None]:
+    """`EQX_ON_ERROR=off` while a step is traced (when `off`), restored after."""
+    before = os.environ.get("EQX_ON_ERROR")
+    if off:
+        os.environ["EQX_ON_ERROR"] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("EQX_ON_ERROR", None)
+        else:
+            os.environ["EQX_ON_ERROR"] = before
+
+
+def nonfinite_check_ms(n_tensor: int, reps: int) -> float:
+    """Milliseconds of `train_step`'s non-finite check alone, as its own program.
+
+    The check reads every updated parameter once (`isfinite(p).all()` per leaf, and'ed,
+    over FSDP-split weights); MaxText's step has none (it computes the norms of the
+    raw gradients, the clipped gradients and the parameters instead). Timed on the
+    placed parameters of the same model, median of `reps` synchronised calls.
+    """
+    config = rc.models.LlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        max_position_embeddings=S,
+    )
+    mesh = rc.make_mesh(n_model_shards=n_tensor)
+    model = rc.models.Llama(config, scan_layers=True, remat="full", key=jax.random.key(0))
+    ids = jnp.zeros((BATCH, S), jnp.int32)
+    model = rc.place(model, mesh, example_call=lambda m: jax.vmap(m)(ids), fsdp=True)
+    params = eqx.filter(model, eqx.is_inexact_array)
+
+    @jax.jit
+    def check(p: Any) -> jax.Array:
+        ok = jnp.bool_(True)
+        for leaf in jax.tree.leaves(p):
+            ok = ok & jnp.isfinite(leaf).all()
+        return ok
+
+    check(params).block_until_ready()
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        check(params).block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(seconds))
 
 
 # ------------------------------------------------------------------ what the programs do
@@ -351,6 +419,11 @@ def main() -> None:
     parser.add_argument("--layouts", default="fsdp8,tp2xfsdp4", help=", ".join(LAYOUTS))
     parser.add_argument("--out", default="bench-results/bench_maxtext.json")
     parser.add_argument("--workdir", default="/tmp/bench_maxtext")
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="add redcoast without its token-id check, and time its non-finite check alone",
+    )
     parser.add_argument("--hlo-dir", default="", help="write each program's HLO text here")
     args = parser.parse_args()
 
@@ -369,6 +442,10 @@ def main() -> None:
         fsdp, tensor = LAYOUTS[layout]
         mt, ids = maxtext_contestant(fsdp, tensor, args.compiles, Path(args.workdir))
         rows = [mt, redcoast_contestant(REDCOAST, tensor, ids, args.compiles)]
+        if args.variants:
+            rows.append(
+                redcoast_contestant(NO_ID_CHECK, tensor, ids, args.compiles, id_check=False)
+            )
         timing = paired(rows, args.steps, args.reps)
         entries = {}
         for row in rows:
@@ -388,6 +465,12 @@ def main() -> None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(row.compiled.as_text())
         results["layouts"][layout] = entries
+        if args.variants:
+            ms = nonfinite_check_ms(tensor, 20)
+            step_ms = 1e3 / entries[REDCOAST]["steps_per_s"]
+            results.setdefault("nonfinite_check_ms", {})[layout] = ms
+            share = ms / step_ms
+            print(f"| {layout} | non-finite check alone: {ms:.2f} ms = {share:.2%} of a step |")
     results["load_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
