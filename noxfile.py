@@ -76,7 +76,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks in scripts/: each prints a table and writes JSON under bench-results/."""
     session.install("-e", ".[hf]", "datasets>=3")  # bench_text's recipe is datasets'
     for script in sorted(Path("scripts").glob("bench_*.py")):
-        if script.name != "bench_peer.py":  # needs redco, which is never installed here
+        # The peers (redco, MaxText) are never installed here: they have their own sessions.
+        if script.name not in ("bench_peer.py", "bench_maxtext.py"):
             session.run("python", str(script), *session.posargs, env=SIMULATED)
 
 
