@@ -1,6 +1,6 @@
 """Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s jax_matrix` (the oldest and
 newest supported Python and JAX), `nox -s slow`, `nox -s lint`, `nox -s multihost`,
-`nox -s bench`, `nox -s bench_peer`, `nox -s examples`."""
+`nox -s bench`, `nox -s bench_peer`, `nox -s bench_maxtext`, `nox -s examples`."""
 
 from pathlib import Path
 
@@ -76,7 +76,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks in scripts/: each prints a table and writes JSON under bench-results/."""
     session.install("-e", ".[hf]", "datasets>=3")  # bench_text's recipe is datasets'
     for script in sorted(Path("scripts").glob("bench_*.py")):
-        if script.name != "bench_peer.py":  # needs redco, which is never installed here
+        # The peers (redco, MaxText) are never installed here: they have their own sessions.
+        if script.name not in ("bench_peer.py", "bench_maxtext.py"):
             session.run("python", str(script), *session.posargs, env=SIMULATED)
 
 
@@ -89,6 +90,35 @@ def bench_peer(session: nox.Session) -> None:
     """
     session.install("-e", ".", "redco==0.4.23", "flax", "tqdm")
     session.run("python", "scripts/bench_peer.py", *session.posargs, env=SIMULATED)
+
+
+# MaxText 0.2.5 needs Python >= 3.12 and jax >= 0.11.1; 0.11.1 is the JAX both run on.
+MAXTEXT = ("maxtext==0.2.5", "jax==0.11.1", "jaxlib==0.11.1")
+
+
+@nox.session(python="3.12")
+def bench_maxtext(session: nox.Session) -> None:
+    """MaxText 0.2.5's trainer beside redcoast on one LLaMA: scripts/bench_maxtext.py.
+
+    MaxText goes in without its declared dependencies (they include the CUDA wheels),
+    then its own decoupled CPU requirements (the file its wheel ships under
+    `dependencies/`: no Google Cloud clients), in this session's environment only;
+    none of it is ever a dependency of redcoast.
+    """
+    session.install("--no-deps", MAXTEXT[0])
+    requirements = session.run_install(
+        "python",
+        "-c",
+        "import importlib.util, pathlib; "
+        "root = pathlib.Path(importlib.util.find_spec('maxtext').origin).parents[1]; "
+        "print(root / 'dependencies/requirements/generated_requirements' "
+        "/ 'decoupled-requirements.txt')",
+        silent=True,
+    )
+    assert isinstance(requirements, str)
+    session.install("-r", requirements.strip(), *MAXTEXT[1:])
+    session.install("-e", ".", *MAXTEXT[1:])
+    session.run("python", "scripts/bench_maxtext.py", *session.posargs, env=SIMULATED)
 
 
 @nox.session

@@ -22,24 +22,27 @@ row starts from the very same weights, so every row's losses agree to float roun
 - `hand jax.jit, zoo GPT (Megatron)`: `rc.models.GPT2` with Megatron-LM's layout
   written by path, stepped by a plain `jax.jit` of `value_and_grad` + the optax
   update: what `rc.train_step` adds, and nothing else, differs from `redcoast TP`.
-- `hand jax.jit, plain GPT (Megatron)`: the same GPT written directly in JAX
-  (`plain_gpt2`: weights `(in, out)`, `x @ w + b`, the Flax module's parameters),
+- `hand jax.jit, plain GPT (Megatron)`: the same GPT written directly in JAX as a
+  user tuning for this backend would (`plain_gpt2`: weights `(in, out)`, `x @ w + b`
+  on the residual stream reshaped to `(batch * seq, hidden)`, so each matmul and its
+  weight gradient contracts one token axis, the Flax module's parameters),
   Megatron-LM's layout written by path, the same plain `jax.jit` step: a program a
   user would write by hand without redcoast.
 - `redcoast TP`: `rc.models.GPT2` split by `rc.sharding_plan` (at 8x1: replicated,
-  plain data parallelism), stepped by `rc.train_step`.
+  plain data parallelism), stepped by `rc.train_step` as `fit` steps it: its own
+  jitted step, donating the model and optimizer state, called with the model.
 - `redcoast TP x FSDP`: the plan with `fsdp=n_data` (every weight also split over the
   data axis, gathered layer by layer where used); at 8x1 that is pure FSDP, labelled
   `redcoast FSDP`.
 
-Every row is compiled ahead of time, and the executable that is timed is the one whose
-`memory_analysis()` (per-device argument and temporary bytes), `cost_analysis()` and
-HLO (collective bytes per step and mesh axis, `redcoast.hlo`) are read. redcoast's
-rows compile `rc.train_step(..., jit=False)` under `jax.jit` with donation, as
-`rc.plan` does; the model `rc.shard` places records which weights FSDP gathers, so
-no context is needed around the jit. The layers are unrolled in every row
-(the zoo's default, and the Flax module's), so no collective sits inside a loop and
-the HLO's collectives are the step's; the script checks that there is no `while`.
+Every row is compiled ahead of time, and its executable's `memory_analysis()`
+(per-device argument and temporary bytes), `cost_analysis()` and HLO (collective
+bytes per step and mesh axis, `redcoast.hlo`) are read. The other rows time that very
+executable; redcoast's rows time calls of `rc.train_step`'s jitted step, the path
+`fit` runs (which compiles at its first call), and read the executable its `lower`
+gives for the same arguments. The layers are unrolled in every row (the zoo's
+default, and the Flax module's), so no collective sits inside a loop and the HLO's
+collectives are the step's; the script checks that there is no `while`.
 
 Timing: the machine is shared and noisy, so each repeat runs `--steps` steps of every
 row back to back in rotating order; steps/s are medians over repeats, and the ratios
@@ -64,8 +67,8 @@ JAX's default matmul precision uses for float32: TF32 tensor cores on an A100,
 one-pass bfloat16 on a TPU.
 
 Part 3, on one device: forward + backward of the zoo's GPT-2 against `plain_gpt2`, the
-same architecture written directly in JAX (weights `(in, out)`, `x @ w + b`), on the
-same weights.
+same architecture written directly in JAX (weights `(in, out)`, `x @ w + b` on
+`(batch * seq, hidden)`), on the same weights.
 
 Run: nox -s bench_peer      (or, in an environment with redco==0.4.23, flax and tqdm:
      python scripts/bench_peer.py --reps 7)
@@ -305,7 +308,12 @@ def compile_row(
 
 
 def redcoast_row(mesh: Mesh, ids: np.ndarray, *, fsdp: bool) -> Row:
-    """`rc.models.GPT2` split by `rc.sharding_plan` (over the data axis too with `fsdp`)."""
+    """`rc.models.GPT2` split by `rc.sharding_plan` (over the data axis too with `fsdp`).
+
+    Stepped as `fit` steps it: `rc.train_step`'s own jitted step (donating the model
+    and optimizer state), called with the model itself; `step.lower` gives the program
+    that call runs, for the compile time and the analysis.
+    """
     n_data, n_model = mesh.shape["data"], mesh.shape["model"]
     model = new_zoo_model()
     batch = {"ids": jax.device_put(ids, NamedSharding(mesh, P("data")))}
@@ -315,28 +323,32 @@ def redcoast_row(mesh: Mesh, ids: np.ndarray, *, fsdp: bool) -> Row:
         example_call=lambda m: zoo_loss(m, batch, None),
         fsdp=n_data if fsdp else 1,
     )
-    params, static = eqx.partition(rc.shard(model, mesh, plan.specs), eqx.is_inexact_array)
+    model = rc.shard(model, mesh, plan.specs)
     opt = optax.adamw(LR)
-    opt_state = opt.init(params)
-    train = rc.train_step(zoo_loss, opt, jit=False)
+    opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    train: Any = rc.train_step(zoo_loss, opt, mesh=mesh)
     key = jax.random.key(0)
 
-    def core(p: Any, s: Any, b: Any, k: Any) -> tuple[Any, Any, dict[str, jax.Array]]:
-        m, s, metrics = train(eqx.combine(p, static), s, b, k)
-        return eqx.filter(m, eqx.is_inexact_array), s, metrics
-
-    jitted = jax.jit(core, donate_argnums=(0, 1))
+    def step(_: Any, state: Any) -> tuple[Any, Any]:
+        m, s, metrics = train(*state, batch, key)
+        return (m, s), metrics["loss"]
 
     def lower() -> Any:
-        return jitted.lower(params, opt_state, batch, key)
-
-    def step(compiled: Any, state: Any) -> tuple[Any, Any]:
-        p, s, metrics = compiled(*state, batch, key)
-        return (p, s), metrics["loss"]
+        return _Analysed(train.lower(model, opt_state, batch, key))
 
     name = (FSDP if n_model > 1 else "redcoast FSDP") if fsdp else TP
-    total = logical_bytes((params, opt_state))
-    return compile_row(name, lower, step, (params, opt_state), logical=total)
+    total = logical_bytes((model, opt_state))
+    return compile_row(name, lower, step, (model, opt_state), logical=total)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Analysed:
+    """`train_step`'s lowering, compiled to the `jax.stages.Compiled` the analysis reads."""
+
+    lowered: Any
+
+    def compile(self) -> Any:
+        return self.lowered.compile().compiled
 
 
 MEGATRON = {  # path suffix -> spec of the zoo's (out, in) weights
@@ -641,7 +653,12 @@ def paired(runners: dict[str, Runner], steps: int, reps: int, reference: str) ->
 
 
 def plain_gpt2(params: dict[str, Any], ids: jax.Array) -> jax.Array:
-    """GPT-2's forward pass on a batch of sequences, written directly on `flax_params`."""
+    """GPT-2's forward pass on a batch of sequences, written directly on `flax_params`.
+
+    The residual stream is kept as one `(batch * seq, hidden)` matrix, so every weight's
+    matmul, and its gradient, contracts one token axis (XLA:CPU's matmuls take one);
+    only attention sees `(batch, seq, heads, head_dim)`.
+    """
 
     def layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
         mean = x.mean(-1, keepdims=True)
@@ -652,7 +669,7 @@ def plain_gpt2(params: dict[str, Any], ids: jax.Array) -> jax.Array:
         return x @ p["kernel"] + p["bias"]
 
     b, s = ids.shape
-    x = params["wte"]["embedding"][ids] + params["wpe"][:s]
+    x = (params["wte"]["embedding"][ids] + params["wpe"][:s]).reshape(b * s, D)
     causal = jnp.tril(jnp.ones((s, s), bool))
     for i in range(L):
         p = params[f"h_{i}"]
@@ -662,11 +679,12 @@ def plain_gpt2(params: dict[str, Any], ids: jax.Array) -> jax.Array:
         )
         w = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D // H)
         w = jax.nn.softmax(jnp.where(causal, w, jnp.finfo(w.dtype).min), axis=-1)
-        o = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, D)
+        o = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b * s, D)
         x = x + dense(o, p["attn"]["o_proj"])
         h = jax.nn.gelu(dense(layer_norm(x, p["ln_2"]), p["fc_in"]), approximate=True)
         x = x + dense(h, p["fc_out"])
-    return layer_norm(x, params["ln_f"]) @ params["wte"]["embedding"].T
+    logits = layer_norm(x, params["ln_f"]) @ params["wte"]["embedding"].T
+    return logits.reshape(b, s, -1)
 
 
 def one_device(ids: np.ndarray, steps: int, reps: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -310,15 +310,17 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
     """`eqx.filter_jit` of `fn(model, opt_state, *rest)` donating the model and optimizer state.
 
     `filter_jit` donates either everything or everything but the first argument, so
-    the non-donated arguments travel first, packed into a tuple.
+    the non-donated arguments travel first, packed into a tuple. The returned
+    function's `lower(model, opt_state, *rest)` gives the program a call with those
+    arguments runs, as `eqx.filter_jit(...).lower` does (`.compile().compiled` is its
+    `jax.stages.Compiled`: `memory_analysis()`, `as_text()`).
     """
 
     @eqx.filter_jit(donate="all-except-first")
     def jitted(rest: tuple[Any, ...], model: Any, opt_state: Any) -> _T:
         return fn(model, opt_state, *rest)
 
-    @functools.wraps(fn)
-    def call(model: Any, opt_state: Any, *rest: Any) -> _T:
+    def run(how: Callable[..., Any], model: Any, opt_state: Any, rest: tuple[Any, ...]) -> Any:
         placed = (getattr(x, "sharding", None) for x in jax.tree.leaves(model))
         mesh = next((s.mesh for s in placed if isinstance(s, NamedSharding)), None)
         # optax makes its counters on the default device and the step returns them
@@ -326,8 +328,16 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
         # first call's program instead of compiling another.
         if isinstance(mesh, Mesh) and any(map(_on_one_device, jax.tree.leaves(opt_state))):
             opt_state = replicate_strays(opt_state, mesh)
-        return jitted(rest, model, opt_state)
+        return how(rest, model, opt_state)
 
+    @functools.wraps(fn)
+    def call(model: Any, opt_state: Any, *rest: Any) -> _T:
+        return run(jitted, model, opt_state, rest)
+
+    def lower(model: Any, opt_state: Any, *rest: Any) -> Any:
+        return run(cast(Any, jitted).lower, model, opt_state, rest)
+
+    cast(Any, call).lower = lower
     return call
 
 

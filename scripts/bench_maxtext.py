@@ -1,0 +1,483 @@
+"""MaxText beside redcoast: one LLaMA-style decoder, the same data, optimizer and meshes.
+
+MaxText (google/maxtext, 0.2.5 from PyPI) is the reference JAX LLM trainer. This
+script builds MaxText's own jitted train step and redcoast's in one process and times
+them the same way, on 8 simulated CPU devices.
+
+The model, on both sides: a LLaMA decoder (RMSNorm, RoPE, SwiGLU with SiLU, untied
+head), hidden 256, 4 layers, 8 heads of 32 (no grouped K/V), MLP 1024, vocabulary
+1024, 128 tokens, global batch 32, float32 weights and compute, layers scanned
+(`lax.scan` over stacked weights) and each layer rematerialised whole in the
+backward pass (remat "full"). The optimizer, on both sides: AdamW with b1 0.9, b2
+0.95, eps 1e-8, weight decay 0.1, a constant learning rate of 1e-3 (MaxText's warm-up
+and decay turned off), no gradient clipping (MaxText's default of 1.0 turned off:
+redcoast's step does not clip). Each side initialises its weights its own way (the
+first losses differ), which changes no shape and no step's work.
+
+- `MaxText`: `pyconfig.initialize` of MaxText's `base.yml` with `hardware=cpu
+  skip_jax_distributed_system=true dataset_type=synthetic` and the sizes above
+  (`decoder_block=llama2`, `attention=dot_product`, `packing=false`); its train state,
+  mesh and shardings from `train_utils.setup_train_loop`, and its jitted step from
+  `train_utils.jit_train_and_eval_step`, exactly as MaxText's `train_loop` builds
+  them; each step is called as `training_loop_iteration` calls it (inside
+  `jax.set_mesh` and the logical axis rules). The batch is one batch of MaxText's
+  synthetic data, reused every step.
+- `redcoast`: `rc.models.Llama` (`scan_layers=True, remat="full"`, RMSNorm eps 1e-5
+  as MaxText's), placed by `rc.place(..., fsdp=True)` on `rc.make_mesh(n_tp)`,
+  stepped by `rc.train_step`'s own jitted step (the path `fit` runs), on the same
+  token ids, the loss the mean cross-entropy of `targets` given `inputs`, as MaxText's
+  on unpadded data.
+
+Meshes: FSDP 8 (MaxText `ici_fsdp_parallelism=8`; redcoast `make_mesh(1)`, every
+weight split over the 8-way data axis) and TP 2 x FSDP 4 (MaxText
+`ici_fsdp_parallelism=4 ici_tensor_parallelism=2`; redcoast `make_mesh(2)`, FSDP over
+the 4-way data axis).
+
+Timing: every step is synchronised (`jax.block_until_ready` on the step's outputs
+before the clock is read), for both; each repeat runs `--steps` steps of each
+contestant, the contestants in alternating order; steps/s are medians over
+`--reps` repeats and the ratio is the median of the paired ratios (redcoast's step
+time over MaxText's, same repeat: below 1.0 redcoast is faster). Compile s is the
+median of `--compiles` wall times of tracing, lowering and compiling the step after
+`jax.clear_caches()`. Memory is `compiled.memory_analysis()` per device: arguments,
+temporaries, and the peak (arguments + temporaries + outputs that do not reuse a
+donated buffer). FLOPs and bytes accessed are `cost_analysis()`'s; collectives are
+counted in the partitioned HLO (`redcoast.hlo`; a loop body's collectives once).
+
+Where MaxText's step does less work than redcoast's, `--variants` measures what that
+work costs: a redcoast row without the zoo's token-id range check (MaxText checks no
+ids; traced under Equinox's `EQX_ON_ERROR=off`), and the time of `train_step`'s
+non-finite check (every updated parameter read once) run alone as its own program.
+Repeats then alternate between the order of the rows and its reverse.
+
+Run: nox -s bench_maxtext -- --reps 5    (the session installs MaxText and its
+     decoupled CPU requirements in its own venv, never as a redcoast dependency)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import redcoast as rc
+from redcoast.hlo import collectives, summarize
+
+D, L, H, F, V, S, BATCH = 256, 4, 8, 1024, 1024, 128, 32
+LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.95, 1e-8, 0.1
+LAYOUTS = {"fsdp8": (8, 1), "tp2xfsdp4": (4, 2)}  # name -> (fsdp, tensor)
+MAXTEXT, REDCOAST = "MaxText", "redcoast"
+NO_ID_CHECK = "redcoast, no token-id check"
+
+
+@dataclasses.dataclass
+class Contestant:
+    """A compiled step, a way to run it, and what it was compiled to."""
+
+    name: str
+    run: Callable[[int], float]  # n synchronised steps; the last step's loss
+    compiled: Any  # jax.stages.Compiled
+    compile_s: float
+    first_loss: float
+
+
+def timed_compiles(lower: Callable[[], Any], n: int) -> tuple[Any, float]:
+    """Compile `n` times (each after `jax.clear_caches()`); the last executable, median s."""
+    seconds, compiled = [], None
+    for _ in range(n):
+        jax.clear_caches()
+        start = time.perf_counter()
+        compiled = lower()
+        seconds.append(time.perf_counter() - start)
+    return compiled, float(np.median(seconds))
+
+
+# ------------------------------------------------------------------ MaxText
+
+
+def maxtext_config(fsdp: int, tensor: int, workdir: Path) -> Any:
+    from maxtext.configs import pyconfig
+
+    spec = importlib.util.find_spec("maxtext")
+    assert spec is not None and spec.origin is not None
+    base = Path(spec.origin).parent / "configs" / "base.yml"
+    overrides = {
+        "run_name": f"bench_{fsdp}x{tensor}",
+        "base_output_directory": str(workdir),
+        "hardware": "cpu",
+        "skip_jax_distributed_system": True,
+        "dataset_type": "synthetic",
+        "enable_checkpointing": False,
+        "enable_tensorboard": False,
+        "enable_goodput_recording": False,
+        "monitor_goodput": False,
+        "decoder_block": "llama2",
+        "base_emb_dim": D,
+        "base_num_decoder_layers": L,
+        "base_num_query_heads": H,
+        "base_num_kv_heads": H,
+        "head_dim": D // H,
+        "base_mlp_dim": F,
+        "vocab_size": V,
+        "max_target_length": S,
+        "per_device_batch_size": BATCH // 8,
+        "dtype": "float32",
+        "weight_dtype": "float32",
+        "attention": "dot_product",
+        "packing": False,
+        "remat_policy": "full",
+        "scan_layers": True,
+        "opt_type": "adamw",
+        "learning_rate": LR,
+        "warmup_steps_fraction": 0.0,
+        "learning_rate_final_fraction": 1.0,
+        "adam_b1": B1,
+        "adam_b2": B2,
+        "adam_eps": EPS,
+        "adam_weight_decay": WD,
+        "gradient_clipping_threshold": 0.0,
+        "normalization_layer_epsilon": 1e-5,
+        "ici_fsdp_parallelism": fsdp,
+        "ici_tensor_parallelism": tensor,
+        "steps": 1000,
+        "jax_cache_dir": "",  # no persistent compilation cache: compile times are compiles
+    }
+    argv = ["bench", str(base), *(f"{k}={v}" for k, v in overrides.items())]
+    return pyconfig.initialize(argv)
+
+
+def maxtext_contestant(fsdp: int, tensor: int, compiles: int, workdir: Path) -> tuple[Any, Any]:
+    """MaxText's step as its `train_loop` builds it; also its synthetic batch (numpy)."""
+    from flax import nnx
+    from flax.linen import logical_axis_rules
+    from maxtext.trainers.pre_train import train
+    from maxtext.utils import sharding, train_utils
+
+    config = maxtext_config(fsdp, tensor, workdir)
+    jax.config.update("jax_use_shardy_partitioner", config.shardy)
+    out = train_utils.setup_train_loop(config, None)
+    mesh, state_mesh_shardings, data_loader, rampup, state = out[4], out[2], out[7], out[8], out[10]
+    graph, state = nnx.split(state)
+    params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(
+        config, state_mesh_shardings
+    )
+    p_train_step, _ = train_utils.jit_train_and_eval_step(
+        config,
+        graph,
+        mesh,
+        state,
+        state_mesh_shardings,
+        train.train_step,
+        train.eval_step,
+        None,
+        params_shardings,
+    )
+    rules = config.logical_axis_rules
+    with jax.set_mesh(mesh), logical_axis_rules(rules):
+        batch = data_loader.load_next_batch(rampup_manager=rampup)
+    held = [state]
+
+    def lower() -> Any:
+        with jax.set_mesh(mesh), logical_axis_rules(rules):
+            return p_train_step.lower(held[0], batch).compile()
+
+    compiled, compile_s = timed_compiles(lower, compiles)
+
+    def run(n: int) -> float:
+        loss: Any = None
+        with jax.set_mesh(mesh), logical_axis_rules(rules):
+            for _ in range(n):
+                held[0], metrics = p_train_step(held[0], batch)
+                loss = metrics["scalar"]["learning/loss"]
+                jax.block_until_ready((held[0], metrics))
+        return float(loss)
+
+    first = run(1)
+    ids = {k: np.asarray(batch[k]) for k in ("inputs", "targets")}
+    return Contestant(MAXTEXT, run, compiled, compile_s, first), ids
+
+
+# ------------------------------------------------------------------ redcoast
+
+
+def redcoast_loss(model: rc.models.Llama, batch: dict[str, jax.Array], key: Any) -> jax.Array:
+    logits = jax.vmap(model)(batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def redcoast_contestant(
+    name: str, n_tensor: int, ids: dict[str, np.ndarray], compiles: int, *, id_check: bool = True
+) -> Contestant:
+    """`rc.models.Llama`, FSDP over the data axis, stepped by `rc.train_step` (fit's path).
+
+    With `id_check=False` the step is traced under `EQX_ON_ERROR=off`, Equinox's switch
+    that the zoo's token-id range check honours: the check (an all-reduce of one flag
+    and a `cond` per step) leaves the program.
+    """
+    config = rc.models.LlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        max_position_embeddings=S,
+        rms_norm_eps=1e-5,
+    )
+    mesh = rc.make_mesh(n_model_shards=n_tensor)
+    batch = {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in ids.items()}
+    model = rc.models.Llama(config, scan_layers=True, remat="full", key=jax.random.key(0))
+    model = rc.place(model, mesh, example_call=lambda m: redcoast_loss(m, batch, None), fsdp=True)
+    opt = optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    step: Any = rc.train_step(redcoast_loss, opt, mesh=mesh)
+    key = jax.random.key(0)
+    held = [(model, state)]
+
+    def lower() -> Any:
+        with errors_off(not id_check):
+            return step.lower(*held[0], batch, key).compile().compiled
+
+    compiled, compile_s = timed_compiles(lower, compiles)
+
+    def run(n: int) -> float:
+        loss: Any = None
+        for _ in range(n):
+            m, s, metrics = step(*held[0], batch, key)
+            held[0] = (m, s)
+            loss = metrics["loss"]
+            jax.block_until_ready((m, s, metrics))
+        return float(loss)
+
+    with errors_off(not id_check):
+        first = run(1)  # traces and compiles the step that later calls reuse
+    return Contestant(name, run, compiled, compile_s, first)
+
+
+@contextlib.contextmanager
+def errors_off(off: bool) -> Iterator[None]:
+    """`EQX_ON_ERROR=off` while a step is traced (when `off`), restored after."""
+    before = os.environ.get("EQX_ON_ERROR")
+    if off:
+        os.environ["EQX_ON_ERROR"] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("EQX_ON_ERROR", None)
+        else:
+            os.environ["EQX_ON_ERROR"] = before
+
+
+def nonfinite_check_ms(n_tensor: int, reps: int) -> float:
+    """Milliseconds of `train_step`'s non-finite check alone, as its own program.
+
+    The check reads every updated parameter once (`isfinite(p).all()` per leaf, and'ed,
+    over FSDP-split weights); MaxText's step has none (it computes the norms of the
+    raw gradients, the clipped gradients and the parameters instead). Timed on the
+    placed parameters of the same model, median of `reps` synchronised calls.
+    """
+    config = rc.models.LlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        max_position_embeddings=S,
+    )
+    mesh = rc.make_mesh(n_model_shards=n_tensor)
+    model = rc.models.Llama(config, scan_layers=True, remat="full", key=jax.random.key(0))
+    ids = jnp.zeros((BATCH, S), jnp.int32)
+    model = rc.place(model, mesh, example_call=lambda m: jax.vmap(m)(ids), fsdp=True)
+    params = eqx.filter(model, eqx.is_inexact_array)
+
+    @jax.jit
+    def check(p: Any) -> jax.Array:
+        ok = jnp.bool_(True)
+        for leaf in jax.tree.leaves(p):
+            ok = ok & jnp.isfinite(leaf).all()
+        return ok
+
+    check(params).block_until_ready()
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        check(params).block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(seconds))
+
+
+# ------------------------------------------------------------------ what the programs do
+
+_OP = re.compile(r"=\s*\S.*?\s([a-z][a-z0-9-]*)\(")
+
+
+def analyse(c: Contestant, n_tensor: int) -> dict[str, Any]:
+    """Per-device memory, FLOPs, bytes accessed, op counts and collectives of a program."""
+    text = c.compiled.as_text()
+    memory = c.compiled.memory_analysis()
+    cost = c.compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    args, temp = int(memory.argument_size_in_bytes), int(memory.temp_size_in_bytes)
+    fresh = max(int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes), 0)
+    ops = Counter(m.group(1) for m in _OP.finditer(text))
+    found = collectives(text, rc.make_mesh(n_model_shards=n_tensor))
+    by_op: dict[str, dict[str, int]] = {}
+    for col in found:
+        entry = by_op.setdefault(col.op, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += col.nbytes
+    return {
+        "args_bytes": args,
+        "temp_bytes": temp,
+        "peak_bytes": args + temp + fresh,
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "instructions": sum(ops.values()),
+        "ops": dict(ops.most_common()),
+        "collectives": by_op,
+        "collectives_by_axis": summarize(found),
+    }
+
+
+# ------------------------------------------------------------------ timing
+
+
+def paired(contestants: list[Contestant], steps: int, reps: int) -> dict[str, Any]:
+    """Steps/s of each contestant over `reps` alternating repeats, after one warm-up step."""
+    for c in contestants:
+        c.run(1)
+    rates: dict[str, list[float]] = {c.name: [] for c in contestants}
+    last: dict[str, float] = {}
+    for r in range(reps):
+        order = contestants if r % 2 == 0 else contestants[::-1]
+        for c in order:
+            start = time.perf_counter()
+            last[c.name] = c.run(steps)
+            rates[c.name].append(steps / (time.perf_counter() - start))
+    base = np.array(rates[MAXTEXT])
+    return {
+        "steps_per_s": {n: float(np.median(v)) for n, v in rates.items()},
+        "all_steps_per_s": rates,
+        "time_over_maxtext": {n: float(np.median(base / np.array(v))) for n, v in rates.items()},
+        "last_loss": last,
+    }
+
+
+# ------------------------------------------------------------------ main
+
+MIB = 2**20
+HEADER = (
+    "| layout | row | steps/s | time / MaxText's (paired) | compile s | args MiB | temp MiB "
+    "| peak MiB | GFLOP | GB accessed | HLO instructions | fusions | all-gather | "
+    "reduce-scatter | all-reduce | loss first -> last |"
+)
+
+
+def coll(e: dict[str, Any], op: str) -> str:
+    entry = e["collectives"].get(op)
+    return "0" if entry is None else f"{entry['count']} ({entry['bytes'] / 1e6:.2f} MB)"
+
+
+def table_row(layout: str, name: str, e: dict[str, Any]) -> str:
+    return (
+        f"| {layout} | {name} | {e['steps_per_s']:.3f} | {e['time_over_maxtext']:.3f} "
+        f"| {e['compile_s']:.1f} | {e['args_bytes'] / MIB:.1f} | {e['temp_bytes'] / MIB:.1f} "
+        f"| {e['peak_bytes'] / MIB:.1f} | {e['flops'] / 1e9:.2f} | {e['bytes_accessed'] / 1e9:.2f} "
+        f"| {e['instructions']} | {e['ops'].get('fusion', 0)} | {coll(e, 'all-gather')} "
+        f"| {coll(e, 'reduce-scatter')} | {coll(e, 'all-reduce')} "
+        f"| {e['first_loss']:.3f} -> {e['last_loss']:.3f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="synchronised steps per timed run")
+    parser.add_argument("--reps", type=int, default=5, help="alternating repeats per layout")
+    parser.add_argument("--compiles", type=int, default=2, help="compilations per row")
+    parser.add_argument("--layouts", default="fsdp8,tp2xfsdp4", help=", ".join(LAYOUTS))
+    parser.add_argument("--out", default="bench-results/bench_maxtext.json")
+    parser.add_argument("--workdir", default="/tmp/bench_maxtext")
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="add redcoast without its token-id check, and time its non-finite check alone",
+    )
+    parser.add_argument("--hlo-dir", default="", help="write each program's HLO text here")
+    args = parser.parse_args()
+
+    import maxtext
+
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "jax": jax.__version__,
+        "maxtext": getattr(maxtext, "__version__", "0.2.5"),
+        "load_before": os.getloadavg(),
+        "layouts": {},
+    }
+    print(HEADER)
+    print("|---" * (HEADER.count("|") - 1) + "|")
+    for layout in args.layouts.split(","):
+        fsdp, tensor = LAYOUTS[layout]
+        mt, ids = maxtext_contestant(fsdp, tensor, args.compiles, Path(args.workdir))
+        rows = [mt, redcoast_contestant(REDCOAST, tensor, ids, args.compiles)]
+        if args.variants:
+            rows.append(
+                redcoast_contestant(NO_ID_CHECK, tensor, ids, args.compiles, id_check=False)
+            )
+        timing = paired(rows, args.steps, args.reps)
+        entries = {}
+        for row in rows:
+            entry = analyse(row, tensor)
+            entry.update(
+                steps_per_s=timing["steps_per_s"][row.name],
+                all_steps_per_s=timing["all_steps_per_s"][row.name],
+                time_over_maxtext=timing["time_over_maxtext"][row.name],
+                compile_s=row.compile_s,
+                first_loss=row.first_loss,
+                last_loss=timing["last_loss"][row.name],
+            )
+            entries[row.name] = entry
+            print(table_row(layout, row.name, entry), flush=True)
+            if args.hlo_dir:
+                path = Path(args.hlo_dir, f"{layout}_{row.name}.hlo.txt")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(row.compiled.as_text())
+        results["layouts"][layout] = entries
+        if args.variants:
+            ms = nonfinite_check_ms(tensor, 20)
+            step_ms = 1e3 / entries[REDCOAST]["steps_per_s"]
+            results.setdefault("nonfinite_check_ms", {})[layout] = ms
+            share = ms / step_ms
+            print(f"| {layout} | non-finite check alone: {ms:.2f} ms = {share:.2%} of a step |")
+    results["load_after"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"load average before {results['load_before']}, after {results['load_after']}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
