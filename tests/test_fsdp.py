@@ -135,7 +135,10 @@ def data_all_gathers(compiled_text: str, mesh: object) -> list[hlo.Collective]:
     ]
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.parametrize(
+    "scan_layers",
+    [pytest.param(True, id="scan"), pytest.param(False, id="unrolled", marks=pytest.mark.slow)],
+)
 def test_a_step_jitted_by_plain_jax_jit_gathers_as_redcoasts_own_step(scan_layers: bool) -> None:
     """No context around the jit: the model says which weights FSDP gathers."""
     mesh = rc.make_mesh(1)  # 8 data shards: every weight split over the data axis

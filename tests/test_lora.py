@@ -258,7 +258,7 @@ def test_lora_on_a_users_mlp_equals_its_merged_model():
     ("arch", "scan_layers"),
     [
         ("gpt2", False),
-        ("llama", True),
+        pytest.param("llama", True, marks=pytest.mark.slow),
         pytest.param("gpt2", True, marks=pytest.mark.slow),
         pytest.param("llama", False, marks=pytest.mark.slow),
     ],
@@ -385,7 +385,7 @@ def _step_once(model, mesh, fsdp):
 @pytest.mark.parametrize(
     ("arch", "n_model", "fsdp"),
     [
-        ("llama", 2, False),
+        pytest.param("llama", 2, False, marks=pytest.mark.slow),
         ("gpt2", 4, True),
         pytest.param("gpt2", 2, False, marks=pytest.mark.slow),
         pytest.param("llama", 4, True, marks=pytest.mark.slow),
