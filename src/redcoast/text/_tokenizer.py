@@ -85,8 +85,7 @@ def load_tokenizer(tokenizer: Any, *, eos_id: int | None = None) -> Tokenizer:
         if path.is_dir():
             configured = (path / "tokenizer_config.json").is_file()
             if configured and importlib.util.find_spec("transformers") is not None:
-                import transformers
-
+                transformers = _import("transformers")
                 hf = transformers.AutoTokenizer.from_pretrained(str(path))
             elif (path / "tokenizer.json").is_file():
                 path = path / "tokenizer.json"
