@@ -188,6 +188,7 @@ def test_a_step_jitted_by_plain_jax_jit_gathers_as_redcoasts_own_step(scan_layer
     assert rc.place(want_model, mesh).fsdp_layout == model.fsdp_layout
 
 
+@pytest.mark.slow
 def test_a_model_placed_without_redcoast_gathers_nothing() -> None:
     """Weights split over the data axis by jax.device_put alone: XLA's partitioner decides."""
     mesh = rc.make_mesh(1)

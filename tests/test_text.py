@@ -261,6 +261,7 @@ def _fit_lm(examples, collate_fn, tmp_path=None):
     )
 
 
+@pytest.mark.slow
 def test_fit_takes_packed_rows_a_memmap_and_a_datasets_dataset(tok, tmp_path):
     tokens = rc.text.tokenize(_docs(40), tok, tmp_path / "tok", progress=False)
     rows = rc.text.packed(tokens, 64)
