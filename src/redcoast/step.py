@@ -190,6 +190,35 @@ def _all_finite(loss: Array, grad_norm: Array, params: Any) -> Array:
     return ok
 
 
+def _accumulated(
+    grad_fn: Callable[..., Any],
+    params: Any,
+    micro: Any,
+    key: Any,
+    n_micro: int,
+    axis_name: str | None,
+) -> Any:
+    """The mean of `grad_fn`'s `((loss, aux), grads)` over `n_micro` micro-batches, by `lax.scan`.
+
+    Micro-batch `i` draws with `fold_in(key, i)`.
+    """
+
+    def body(acc: Any, xs: tuple[Array, Any]) -> tuple[Any, None]:
+        i, b = xs
+        out = grad_fn(params, b, jax.random.fold_in(key, i))
+        return jax.tree.map(jnp.add, acc, out), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first, key)
+    )
+    if axis_name is not None:
+        # The scan carry must have the vma type of the per-shard gradients.
+        zeros = jax.tree.map(lambda z: jax.lax.pcast(z, axis_name, to="varying"), zeros)
+    total = jax.lax.scan(body, zeros, (jnp.arange(n_micro), micro))[0]
+    return jax.tree.map(lambda x: x / n_micro, total)
+
+
 def _train_core(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -230,24 +259,7 @@ def _train_core(
             (loss, aux), grads = grad_fn(params, batch, key)
         else:
             micro = _micro_batches(batch, n_micro, mesh)
-
-            def body(acc: Any, xs: tuple[Array, Any]) -> tuple[Any, None]:
-                i, b = xs
-                out = grad_fn(params, b, jax.random.fold_in(key, i))
-                return jax.tree.map(jnp.add, acc, out), None
-
-            first = jax.tree.map(lambda x: x[0], micro)
-            zeros = jax.tree.map(
-                lambda s: jnp.zeros(s.shape, s.dtype),
-                jax.eval_shape(grad_fn, params, first, key),
-            )
-            if axis_name is not None:
-                # The scan carry must have the vma type of the per-shard gradients.
-                zeros = jax.tree.map(lambda z: jax.lax.pcast(z, axis_name, to="varying"), zeros)
-            (loss, aux), grads = jax.tree.map(
-                lambda x: x / n_micro,
-                jax.lax.scan(body, zeros, (jnp.arange(n_micro), micro))[0],
-            )
+            (loss, aux), grads = _accumulated(grad_fn, params, micro, key, n_micro, axis_name)
         if axis_name is not None:
             loss, aux, grads = jax.lax.pmean((loss, aux, grads), axis_name)
             params = eqx.filter(model, mask)
