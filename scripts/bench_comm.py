@@ -42,10 +42,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast.hlo import collectives, summarize, weight_all_gathers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import architectures as arch
+from hlo import collectives, summarize, weight_all_gathers
 from tiny import DeepMLP, TinyGPT, TinyGPTJ, TinyLlama, megatron_specs
 
 KEY = jax.random.key(0)

@@ -42,7 +42,7 @@ median of `--compiles` wall times of tracing, lowering and compiling the step af
 `jax.clear_caches()`. Memory is `compiled.memory_analysis()` per device: arguments,
 temporaries, and the peak (arguments + temporaries + outputs that do not reuse a
 donated buffer). FLOPs and bytes accessed are `cost_analysis()`'s; collectives are
-counted in the partitioned HLO (`redcoast.hlo`; a loop body's collectives once).
+counted in the partitioned HLO (`tests/hlo.py`; a loop body's collectives once).
 
 Where MaxText's step does less work than redcoast's, `--variants` measures what that
 work costs: a redcoast row without the zoo's token-id range check (MaxText checks no
@@ -63,6 +63,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -81,7 +82,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast.hlo import collectives, summarize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # hlo.py
+from hlo import collectives, summarize
 
 D, L, H, F, V, S, BATCH = 256, 4, 8, 1024, 1024, 128, 32
 LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.95, 1e-8, 0.1

@@ -37,7 +37,7 @@ row starts from the very same weights, so every row's losses agree to float roun
 
 Every row is compiled ahead of time, and its executable's `memory_analysis()`
 (per-device argument and temporary bytes), `cost_analysis()` and HLO (collective
-bytes per step and mesh axis, `redcoast.hlo`) are read. The other rows time that very
+bytes per step and mesh axis, `tests/hlo.py`) are read. The other rows time that very
 executable; redcoast's rows time calls of `rc.train_step`'s jitted step, the path
 `fit` runs (which compiles at its first call), and read the executable its `lower`
 gives for the same arguments. The layers are unrolled in every row (the zoo's
@@ -57,7 +57,7 @@ on a named accelerator = per-device FLOPs / peak + the time of each collective a
 accelerator's per-device interconnect bandwidth with ring factors (all-reduce
 2(n-1)/n x bytes, all-gather (n-1)/n x gathered bytes, reduce-scatter (n-1)/n x
 unreduced bytes), compute and communication not overlapped, the same arithmetic for
-every row. `redcoast.hlo` names the mesh axes a collective spans, not its group size: a
+every row. `tests/hlo.py` names the mesh axes a collective spans, not its group size: a
 group over `model` is taken to hold n_model devices, over `data` n_data, and over both
 axes all 8 (an upper bound: XLA sometimes groups fewer devices across both axes).
 `cost_analysis()` of an SPMD program counts one device's FLOPs (a matmul
@@ -82,6 +82,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -100,7 +101,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast.hlo import collectives, summarize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # hlo.py
+from hlo import collectives, summarize
 
 V, D, H, L, S = 1024, 256, 8, 4, 128
 N_SEQ = 32
@@ -566,7 +569,7 @@ def collective_seconds(op: str, nbytes: float, group: int, bandwidth: float) -> 
     Args:
         op: the HLO operation (`all-reduce`, `all-gather`, `reduce-scatter`,
             `all-to-all`, `collective-permute`).
-        nbytes: its result on one device, as `redcoast.hlo` counts it: the whole
+        nbytes: its result on one device, as `tests/hlo.py` counts it: the whole
             array for an all-reduce or an all-gather, one shard for a reduce-scatter.
         group: devices taking part.
         bandwidth: bytes per second each device sends (and receives).
@@ -599,7 +602,7 @@ def estimate(
 
     Args:
         flops: one device's FLOPs per step (`cost_analysis()["flops"]`).
-        found: `[op, axis, bytes]` of each collective of the step (`redcoast.hlo`);
+        found: `[op, axis, bytes]` of each collective of the step (`tests/hlo.py`);
             a collective over `"model"` spans `n_model` devices, over `"data"`
             `n_data`, over `"both"` all of them (at most: the HLO may group fewer).
         n_data: the mesh's data axis.

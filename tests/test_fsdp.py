@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import equinox as eqx
+import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast import hlo
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 128, (8, 16)), jnp.int32)
 LLAMA = rc.models.LlamaConfig(

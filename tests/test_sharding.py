@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo import collectives, summarize, weight_all_gathers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 from tiny import DeepMLP, TinyGPT, TinyGPTJ, TinyLlama, megatron_specs
 
 import redcoast as rc
-from redcoast.hlo import collectives, summarize, weight_all_gathers
 
 SEQ = 16
 IDS = jax.random.randint(jax.random.key(1), (8, SEQ), 0, 64)
