@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from ._tree_paths import leaves_with_paths, path_str
 from .models.layers import AbstractProjection, dense
-from .sharding import path_str
 
 __all__ = ["LoRALinear", "apply", "lora_layers", "merge", "trainable"]
 
@@ -207,10 +207,8 @@ def _lora_layers(model: PyTree, what: str) -> tuple[list[Any], Any]:
 
 def lora_layers(model: PyTree) -> list[tuple[str, LoRALinear]]:
     """Every `LoRALinear` of `model` with its dotted path (`blocks.0.attn.q_proj`)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        model, is_leaf=lambda x: isinstance(x, LoRALinear)
-    )
-    return [(path_str(p), x) for p, x in flat if isinstance(x, LoRALinear)]
+    found = leaves_with_paths(model, lambda x: isinstance(x, LoRALinear))
+    return [(path, x) for path, x in found if isinstance(x, LoRALinear)]
 
 
 def trainable(model: PyTree) -> PyTree:

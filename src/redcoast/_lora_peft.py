@@ -23,9 +23,9 @@ from jaxtyping import PyTree
 from safetensors.numpy import load_file, save_file
 
 from ._lora import LoRALinear, apply, lora_layers
+from ._tree_paths import leaves_with_paths, path_str
 from .data import to_host
 from .models.hf import HFModel
-from .sharding import path_str
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -65,10 +65,11 @@ def _modules(model: Any) -> dict[str, tuple[str, int | None, bool]]:
             f"Llama, OPT, GPTJ, ...); got {type(model).__name__}. Save a custom model's "
             "adapters with rc.save_checkpoint."
         )
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        model, is_leaf=lambda x: isinstance(x, eqx.nn.Linear | LoRALinear)
-    )
-    linears = {path_str(p) for p, x in flat if isinstance(x, eqx.nn.Linear | LoRALinear)}
+
+    def is_linear(x: Any) -> bool:
+        return isinstance(x, eqx.nn.Linear | LoRALinear)
+
+    linears = {path for path, x in leaves_with_paths(model, is_linear) if is_linear(x)}
     out: dict[str, tuple[str, int | None, bool]] = {}
     for m in type(model).hf_tensors(model.config):  # type: ignore[attr-defined]
         if not m.per_layer or len(m.ours) != 1 or not m.ours[0].endswith(".weight"):

@@ -70,9 +70,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._tree_paths import array_leaves, path_str
 from .data import barrier, to_host
 from .fsdp import record_layout
-from .sharding import ShardingPlan, optimizer_specs, path_str
+from .sharding import ShardingPlan, optimizer_specs
 
 __all__ = [
     "Checkpoint",
@@ -138,11 +139,6 @@ class Checkpoint:
 
 
 # --------------------------------------------------------------------------- leaves
-
-
-def _leaves(tree: PyTree) -> list[tuple[str, Any]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))
-    return [(path_str(p), leaf) for p, leaf in flat]
 
 
 def _is_key(leaf: Any) -> bool:
@@ -453,10 +449,10 @@ def save_checkpoint(
     reserved = RESERVED & set(extra)
     if reserved:
         raise TypeError(f"save_checkpoint: {sorted(reserved)} are reserved names in state.json.")
-    model_leaves = _leaves(model)
+    model_leaves = array_leaves(model)
     if not model_leaves:
         raise CheckpointError("save_checkpoint: the model has no arrays to save.")
-    opt_leaves = _leaves(opt_state) if opt_state is not None else []
+    opt_leaves = array_leaves(opt_state) if opt_state is not None else []
     stored_extra = _jsonable(extra, "extra")
     write = jax.process_index() == 0
     if write:
@@ -728,7 +724,7 @@ def _spec_map(model: PyTree, specs: PyTree | None) -> dict[str, P] | None:
         specs = specs.specs
     flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))
     mapping = {path_str(p): s for p, s in flat}
-    missing = [k for k, _ in _leaves(model) if k not in mapping]
+    missing = [k for k, _ in array_leaves(model) if k not in mapping]
     if missing:
         raise ValueError(
             f"load_checkpoint: specs has no entry for {missing[:5]}; pass specs for `like`."
@@ -832,7 +828,7 @@ def load_checkpoint(
         raise ValueError("load_checkpoint: specs need a mesh to place arrays on; pass mesh= too.")
     folder = _resolve(Path(path))
     state = _read_state(folder)
-    model_leaves = _leaves(like)
+    model_leaves = array_leaves(like)
     stored_model = _read_group(folder, state["files"]["model"])
     _check(stored_model, model_leaves, "model", folder, dtype)
     groups = {"model": stored_model}
@@ -841,7 +837,7 @@ def load_checkpoint(
     if opt_state_like is not None:
         if "optimizer" not in state["files"]:
             raise CheckpointError(f"{folder}: has no optimizer state; call without opt_state_like.")
-        opt_leaves = _leaves(opt_state_like)
+        opt_leaves = array_leaves(opt_state_like)
         stored_opt = _read_group(folder, state["files"]["optimizer"])
         _check(stored_opt, opt_leaves, "optimizer", folder)
         groups["optimizer"] = stored_opt
@@ -899,7 +895,7 @@ def fingerprint(tree: PyTree) -> dict[str, Any]:
     """
     hasher = xxhash.xxh3_64()
     count = nbytes = 0
-    for key, leaf in _leaves(tree):
+    for key, leaf in array_leaves(tree):
         data = np.ascontiguousarray(_host(leaf))
         hasher.update(f"{key}:{data.shape}:{data.dtype.str}\n".encode())
         hasher.update(data.reshape(-1).view(np.uint8).data)

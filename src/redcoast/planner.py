@@ -28,12 +28,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ._tree_paths import leaves_with_paths, path_str
 from .fsdp import record_layout
 from .mesh import DATA, make_mesh
 from .models import ARCHITECTURES, AbstractSeq2SeqLM
 from .models.hf import HFConfig, read_config
 from .models.presets import PRESETS, preset
-from .sharding import ShardingPlan, optimizer_specs, path_str, sharding_plan, sharding_tree
+from .sharding import ShardingPlan, optimizer_specs, sharding_plan, sharding_tree
 
 PRECISIONS = ("fp32", "bf16", "pure-bf16")
 REMATS = ("none", "dots", "full")
@@ -433,7 +434,7 @@ def _compile(
     params, trained, mask = _lora_arrays(placed, params, lora)
     optimizer = optax.adamw(1e-4)
     state = jax.eval_shape(optimizer.init, trained)
-    flat_params = [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    flat_params = leaves_with_paths(params)
     flat_state, state_def = jax.tree_util.tree_flatten_with_path(state)
     state_specs = optimizer_specs(
         [(path_str(p), x) for p, x in flat_state],

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._dataflow import NO_USE, Dataflow, Use, trace_dataflow
+from ._tree_paths import array_leaves, path_str
 from .fsdp import record_layout
 from .mesh import DATA, MODEL
 
@@ -170,18 +171,6 @@ def _fmt_bytes(n: int | float) -> str:
 # --------------------------------------------------------------------------- tree helpers
 
 
-def _key_str(key: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def path_str(path: tuple[Any, ...]) -> str:
-    """`blocks.0.attn.query_proj.weight` for a JAX key path."""
-    return ".".join(_key_str(k) for k in path)
-
-
 def abstract_arrays(tree: PyTree) -> PyTree:
     """`tree` with each `jax.ShapeDtypeStruct` leaf a zero-stride NumPy array of its shape.
 
@@ -203,11 +192,6 @@ def abstract_arrays(tree: PyTree) -> PyTree:
         ),
         tree,
     )
-
-
-def _array_leaves(model: PyTree) -> list[tuple[str, Any]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
-    return [(path_str(p), leaf) for p, leaf in flat]
 
 
 def _modules(node: Any, prefix: str = "") -> Iterator[tuple[str, eqx.Module]]:
@@ -787,7 +771,7 @@ def sharding_plan(
     _check_n(fsdp, "fsdp")
     n = int(n_model_shards)
     model = abstract_arrays(model)
-    leaves = _array_leaves(model)
+    leaves = array_leaves(model)
     if not leaves:
         raise ValueError(
             "the model has no arrays to shard (eqx.filter(model, eqx.is_array) is empty); "

@@ -29,8 +29,8 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
+from ._tree_paths import path_str
 from .fsdp import layouts_like
-from .sharding import path_str
 
 Trainable = str | Sequence[str] | Callable[[Any], bool] | PyTree | None
 """What `fit(trainable=...)` and `train_step(trainable=...)` accept (see the module docstring)."""

@@ -34,10 +34,11 @@ from jaxtyping import PyTree
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from .._tree_paths import array_leaves, path_str
 from ..data import to_host
 from ..fsdp import record_layout
 from ..mesh import DATA, MODEL
-from ..sharding import ShardingPlan, _check_spec, path_str, sharding_rules
+from ..sharding import ShardingPlan, _check_spec, sharding_rules
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -710,8 +711,7 @@ def _check_model_type(values: Mapping[str, Any], cls: Any, folder: Path) -> None
 def save(model: Any, path: str | Path) -> None:
     """Write `model` as a folder `transformers` loads (see `to_hf`)."""
     folder = Path(path)
-    flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
-    arrays = {path_str(p): leaf for p, leaf in flat}
+    arrays = dict(array_leaves(model))
     tensors: dict[str, np.ndarray] = {}
     for m in type(model).hf_tensors(model.config):
         n_layers, stacked = _layer_count(model, m.stack) if m.per_layer else (0, False)
