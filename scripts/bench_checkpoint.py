@@ -61,7 +61,7 @@ import redcoast.checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import TinyLlama
 
-from redcoast.sharding import path_str
+from redcoast._tree_paths import path_str
 
 OPERATIONS = [
     "raw save",

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
+from redcoast._tree_paths import path_str
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import architectures as arch
@@ -170,7 +171,7 @@ def lora(model: eqx.Module) -> eqx.Module:
     """`model` with rank-8 LoRA on every projection, B nonzero (as after training)."""
     wrapped = rc.lora.apply(model, lambda *_: True, rank=8, key=jax.random.key(2))
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: jnp.full_like(x, 0.01) if "lora_b" in rc.sharding.path_str(p) else x,
+        lambda p, x: jnp.full_like(x, 0.01) if "lora_b" in path_str(p) else x,
         wrapped,
     )
 

@@ -101,6 +101,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
+from redcoast._tree_paths import path_str
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # hlo.py
 from hlo import collectives, summarize
@@ -373,7 +374,7 @@ def megatron_specs(model: eqx.Module) -> Any:
     """Megatron-LM's layout of the zoo's GPT-2, written by path."""
 
     def spec(path: tuple, leaf: Any) -> P:
-        name = rc.sharding.path_str(path)
+        name = path_str(path)
         return next((s for k, s in MEGATRON.items() if name.endswith(k)), P())
 
     return jax.tree_util.tree_map_with_path(spec, eqx.filter(model, eqx.is_array))

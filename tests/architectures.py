@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-import redcoast as rc
+from redcoast._tree_paths import path_str
 
 M = "model"
 COL_W, ROW_W, COL_B = P(M, None), P(None, M), P(M)
@@ -39,7 +39,7 @@ def layout(model: eqx.Module, table: dict[str, P]) -> PyTree:
     """Specs by glob over dotted paths (last match wins); everything else replicated."""
 
     def spec(path: tuple, leaf: Array) -> P:
-        name = rc.sharding.path_str(path)
+        name = path_str(path)
         found = P()
         for pattern, s in table.items():
             if fnmatch.fnmatchcase(name, pattern):

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from tiny import drawn, megatron_specs
 
 import redcoast as rc
+from redcoast._tree_paths import path_str
 
 ARCHS = ("gpt2", "llama", "opt", "gptj")
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 128, (8, 16)), jnp.int32)
@@ -67,7 +68,7 @@ def layout(model: eqx.Module, specs: object) -> dict[str, tuple]:
     """Path -> spec padded to the array's rank, so `P("model")` and `P("model", None)` agree."""
     flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
     return {
-        rc.sharding.path_str(p): tuple(s) + (None,) * (a.ndim - len(s))
+        path_str(p): tuple(s) + (None,) * (a.ndim - len(s))
         for (p, a), s in zip(flat, spec_leaves(specs), strict=True)
     }
 

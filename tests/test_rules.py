@@ -33,6 +33,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 import redcoast as rc
 from redcoast._dataflow import trace_dataflow
+from redcoast._tree_paths import path_str
 
 KEY = jax.random.key(0)
 IDS = jax.random.randint(jax.random.key(1), (16, 16), 0, 64)
@@ -54,7 +55,7 @@ def by_path(model: eqx.Module, specs: object) -> dict[str, tuple]:
     flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
     spec = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
     return {
-        rc.sharding.path_str(p): tuple(s) + (None,) * (a.ndim - len(s))
+        path_str(p): tuple(s) + (None,) * (a.ndim - len(s))
         for (p, a), s in zip(flat, spec, strict=True)
     }
 

@@ -24,6 +24,7 @@ from safetensors.numpy import load_file
 from tiny import drawn, megatron_specs
 
 import redcoast as rc
+from redcoast._tree_paths import path_str
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -332,7 +333,7 @@ def layout(model: eqx.Module, specs: object) -> dict[str, tuple]:
     flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
     specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
     return {
-        rc.sharding.path_str(p): tuple(s) + (None,) * (a.ndim - len(s))
+        path_str(p): tuple(s) + (None,) * (a.ndim - len(s))
         for (p, a), s in zip(flat, specs, strict=True)
     }
 

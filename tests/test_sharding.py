@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from tiny import DeepMLP, TinyGPT, TinyGPTJ, TinyLlama, megatron_specs
 
 import redcoast as rc
+from redcoast._tree_paths import path_str
 
 SEQ = 16
 IDS = jax.random.randint(jax.random.key(1), (8, SEQ), 0, 64)
@@ -46,7 +47,7 @@ def leaves(tree: object) -> list[object]:
 
 def paths_and_specs(specs: object) -> dict[str, P]:
     flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))
-    return {rc.sharding.path_str(p): s for p, s in flat}
+    return {path_str(p): s for p, s in flat}
 
 
 def normalise(spec: P, ndim: int) -> tuple:

@@ -11,7 +11,7 @@ read (a layout a new JAX release brought), get the conservative rule
 result, a `Dataflow`, says for every matmul weight which of its axes are contracted
 and which are produced, which matmuls feed it, which weights only gate or scale
 other values, and which vectors are added to which matmul's output. The decisions
-built on it live in `sharding.py`.
+built on it live in `_tp_rules.py`.
 
 Every primitive name and param is read through `_jaxpr.py`, never here.
 """

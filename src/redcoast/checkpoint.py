@@ -70,10 +70,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._placement import optimizer_specs, specs_by_path
 from ._tree_paths import array_leaves, path_str
 from .data import barrier, to_host
 from .fsdp import record_layout
-from .sharding import ShardingPlan, optimizer_specs
 
 __all__ = [
     "Checkpoint",
@@ -720,10 +720,7 @@ def _load_tree(
 def _spec_map(model: PyTree, specs: PyTree | None) -> dict[str, P] | None:
     if specs is None:
         return None
-    if isinstance(specs, ShardingPlan):
-        specs = specs.specs
-    flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))
-    mapping = {path_str(p): s for p, s in flat}
+    mapping = specs_by_path(specs)
     missing = [k for k, _ in array_leaves(model) if k not in mapping]
     if missing:
         raise ValueError(

@@ -18,9 +18,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ._placement import shard, sharding_tree
+from ._sharding_plan import spec_tree
 from .fsdp import record_layout
 from .mesh import DATA, MODEL, mesh_shape
-from .sharding import ShardingPlan, shard, sharding_rules, sharding_tree
+from .sharding import sharding_rules
 
 
 def _array_leaves(tree: PyTree) -> list[Any]:
@@ -149,9 +151,7 @@ def sharded_init(
         specs = sharding_rules(
             abstract, n_model, example_call=example_call, fsdp=n_data if fsdp else 1
         )
-    if isinstance(specs, ShardingPlan):
-        specs = specs.specs
-    shardings = sharding_tree(abstract, mesh, specs)
+    shardings = sharding_tree(abstract, mesh, spec_tree(specs))
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def build() -> PyTree:

@@ -28,13 +28,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ._placement import optimizer_specs, sharding_tree
+from ._sharding_plan import ShardingPlan
 from ._tree_paths import leaves_with_paths, path_str
 from .fsdp import record_layout
 from .mesh import DATA, make_mesh
 from .models import ARCHITECTURES, AbstractSeq2SeqLM
 from .models.hf import HFConfig, read_config
 from .models.presets import PRESETS, preset
-from .sharding import ShardingPlan, optimizer_specs, sharding_plan, sharding_tree
+from .sharding import sharding_plan
 
 PRECISIONS = ("fp32", "bf16", "pure-bf16")
 REMATS = ("none", "dots", "full")

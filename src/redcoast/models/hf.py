@@ -34,11 +34,12 @@ from jaxtyping import PyTree
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from .._tree_paths import array_leaves, path_str
+from .._placement import check_specs, host_to_mesh, specs_by_path
+from .._tree_paths import array_leaves, leaves_with_paths, path_str
 from ..data import to_host
 from ..fsdp import record_layout
 from ..mesh import DATA, MODEL
-from ..sharding import ShardingPlan, _check_spec, sharding_rules
+from ..sharding import sharding_rules
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -473,8 +474,6 @@ def _shardings(
     cls: Any, skeleton: PyTree, mesh: Mesh, specs: PyTree | None, fsdp: bool
 ) -> dict[str, NamedSharding]:
     """Our leaf path -> where it goes; specs are derived by the rules when not given."""
-    if isinstance(specs, ShardingPlan):
-        specs = specs.specs
     if specs is None:
         specs = sharding_rules(
             skeleton,
@@ -483,12 +482,11 @@ def _shardings(
             fsdp=int(mesh.shape[DATA]) if fsdp else 1,
         )
     shapes = {
-        path_str(p): tuple(s.shape)
-        for p, s in jax.tree_util.tree_flatten_with_path(skeleton)[0]
+        path: tuple(s.shape)
+        for path, s in leaves_with_paths(skeleton)
         if isinstance(s, jax.ShapeDtypeStruct)
     }
-    flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))
-    given = {path_str(p): s for p, s in flat if isinstance(s, P)}
+    given = {path: s for path, s in specs_by_path(specs).items() if isinstance(s, P)}
     missing = [a for a in shapes if a not in given]
     if missing:
         raise ValueError(
@@ -496,9 +494,7 @@ def _shardings(
             "(e.g. from rc.sharding_rules on a model built from the same config and "
             "scan_layers), or specs=None to derive them with the rules."
         )
-    sizes = {name: int(size) for name, size in mesh.shape.items()}
-    for path, shape in shapes.items():
-        _check_spec(path, shape, given[path], sizes)
+    check_specs(((path, shape, given[path]) for path, shape in shapes.items()), mesh)
     return {path: NamedSharding(mesh, given[path]) for path in shapes}
 
 
@@ -652,7 +648,8 @@ def load(
         host = np.stack(parts) if stacked else parts[0]
         if dtype is not None and jnp.issubdtype(host.dtype, jnp.floating):
             host = host.astype(dtype)
-        leaves.append(_place(host, shardings.get(name)))
+        sharding = shardings.get(name)
+        leaves.append(jnp.asarray(host) if sharding is None else host_to_mesh(host, sharding))
     _check_unused(checkpoint, cls, folder)
     return record_layout(jax.tree_util.tree_unflatten(treedef, leaves))
 
@@ -667,13 +664,6 @@ def _convert(
             f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, which cannot become {ours} "
             f"of shape {want} ({err}); the checkpoint was saved with a different config."
         ) from err
-
-
-def _place(host: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
-    if sharding is None:
-        return jnp.asarray(host)
-    # Each device receives only its slice; works with several processes too.
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
 # Buffers some transformers versions save next to the weights; they hold no parameters.
