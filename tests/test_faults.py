@@ -36,7 +36,7 @@ from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
 import redcoast as rc
-import redcoast.checkpoint as ckpt_module
+import redcoast._ckpt_format as ckpt_format
 from redcoast import planner
 from redcoast.checkpoint import CheckpointError
 from redcoast.checkpoint import step_checkpoint_path as step_path
@@ -194,7 +194,7 @@ def test_disk_full_keeps_the_previous_checkpoint(
     def full_disk(file: Any, mode: str = "r", **kwargs: Any) -> Full:
         return Full(open(file, mode, **kwargs), 200)
 
-    monkeypatch.setattr(ckpt_module, "open", full_disk, raising=False)
+    monkeypatch.setattr(ckpt_format, "open", full_disk, raising=False)
     with pytest.raises(OSError, match=r"No space left on device.*\.c\.tmp-") as err:
         rc.save_checkpoint(path, model=tree(2), step=2)
     assert err.value.errno == errno.ENOSPC
@@ -214,7 +214,7 @@ def test_read_only_folder_keeps_the_previous_checkpoint(
             raise PermissionError(errno.EACCES, "Permission denied", str(file))
         return open(file, mode, **kwargs)
 
-    monkeypatch.setattr(ckpt_module, "open", refuse, raising=False)
+    monkeypatch.setattr(ckpt_format, "open", refuse, raising=False)
     with pytest.raises(PermissionError, match=r"Permission denied.*model\.safetensors"):
         rc.save_checkpoint(path, model=tree(2), step=2)
     monkeypatch.undo()
