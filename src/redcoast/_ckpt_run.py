@@ -1,5 +1,6 @@
-"""A run's checkpoint folder: `step_*` checkpoints by name, the newest whole one, pruning."""
+"""A run's checkpoint folder: when `fit` saves, `step_*` names, the newest whole one, pruning."""
 
+import dataclasses
 import os
 import shutil
 import warnings
@@ -7,10 +8,39 @@ from pathlib import Path
 
 from ._ckpt_durable import OLD, is_checkpoint
 from ._ckpt_format import CheckpointError, read_group, read_state, verify_groups
+from .data import check_positive
 
-__all__ = ["STEP_PREFIX", "latest_checkpoint", "prune_checkpoints", "step_checkpoint_path"]
+__all__ = [
+    "STEP_PREFIX",
+    "Checkpointing",
+    "latest_checkpoint",
+    "prune_checkpoints",
+    "step_checkpoint_path",
+]
 
 STEP_PREFIX = "step_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """When `fit` writes `workdir/ckpts/step_XXXXXXXX` checkpoints, and how many it keeps.
+
+    Attributes:
+        every: save every this many steps.
+        last: save after the last step (and when a signal stops the run).
+        keep_last_n: keep only the newest this many `step_*` checkpoints of the run.
+
+    Example:
+        >>> rc.fit(..., workdir="runs/x", checkpointing=rc.Checkpointing(every=500, keep_last_n=3))
+    """
+
+    every: int | None = None
+    last: bool = True
+    keep_last_n: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive("Checkpointing.every", self.every)
+        check_positive("Checkpointing.keep_last_n", self.keep_last_n)
 
 
 def step_checkpoint_path(folder: str | os.PathLike[str], step: int) -> Path:

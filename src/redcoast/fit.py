@@ -4,20 +4,20 @@
 `LoopState` to `run_loop` with its behaviours as hooks: the metrics buffer (one
 device-to-host transfer per logging interval, one step behind the devices),
 evaluation, signal stops and checkpoints. A user's hooks run beside them.
+
+Those parts live beside it: the hooks in `_fit_hooks.py` (evaluation in
+`_evaluator.py`, signal stops in `_signals.py`), what a checkpoint records of the
+loop and resuming from it in `_resume.py`, the workdir's claim and lock in
+`workdir.py`, and `Checkpointing` with the run's checkpoint folder in `_ckpt_run.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
-import json
 import os
-import shutil
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -27,37 +27,34 @@ import equinox as eqx
 import jax
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-from .checkpoint import (
-    checkpoint_state,
-    fingerprint,
-    latest_checkpoint,
-    load_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
-    step_checkpoint_path,
-)
+from ._ckpt_run import Checkpointing as Checkpointing
+from ._evaluator import evaluator as _evaluator
+from ._fit_hooks import fit_hooks as _hooks
+from ._resume import Run as _Run
+from ._resume import resume as _resume
+from ._signals import stop_requests as _stop_requests
+from .checkpoint import fingerprint, step_checkpoint_path
 from .data import (
     Batch,
     CollateFn,
     Examples,
-    barrier,
     batches,
     check_positive,
     global_batch_size,
     order_fingerprint,
 )
-from .evaluate import Evaluation, check_examples, inference, scalar_metrics
-from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger, read_jsonl
+from .evaluate import Evaluation, check_examples, inference
+from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
 from .loop import Hook, LoopState, always, run_loop
 from .mesh import make_mesh, mesh_shape
 from .place import model_mesh, own_copy, place, release, replicate_strays
 from .precision import cast, check_precision, param_dtype
-from .step import LossFn, PredFn, donating_jit, jit_eval_first, predict_step, train_step
+from .step import LossFn, PredFn, donating_jit, predict_step, train_step
 from .trainable import Trainable, frozen_mask, trainable_mask
+from .workdir import claim_workdir as _claim_workdir
 from .workdir import hold_workdir
 
 
@@ -85,28 +82,6 @@ class FitResult:
     step: int
     history: dict[str, Any]
     stopped_by: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpointing:
-    """When `fit` writes `workdir/ckpts/step_XXXXXXXX` checkpoints, and how many it keeps.
-
-    Attributes:
-        every: save every this many steps.
-        last: save after the last step (and when a signal stops the run).
-        keep_last_n: keep only the newest this many `step_*` checkpoints of the run.
-
-    Example:
-        >>> rc.fit(..., workdir="runs/x", checkpointing=rc.Checkpointing(every=500, keep_last_n=3))
-    """
-
-    every: int | None = None
-    last: bool = True
-    keep_last_n: int | None = None
-
-    def __post_init__(self) -> None:
-        check_positive("Checkpointing.every", self.every)
-        check_positive("Checkpointing.keep_last_n", self.keep_last_n)
 
 
 # ----------------------------------------------------------------------------- predict
@@ -174,213 +149,7 @@ def predict(
     return outputs
 
 
-# ----------------------------------------------------------------------------- the run's folder
-
-_RUN_FILES = ("ckpts", "metrics.jsonl", "eval")
-
-
-def _claim_workdir(workdir: str, *, resume: bool, overwrite: bool, lead: bool) -> None:
-    """A workdir belongs to one run: refuse a fresh run where another run left its files."""
-    if resume and overwrite:
-        raise ValueError(
-            "resume=True continues the run in workdir and overwrite=True deletes it; pass one."
-        )
-    found = [
-        name
-        for name in _RUN_FILES
-        if os.path.isfile(os.path.join(workdir, name))
-        or (os.path.isdir(os.path.join(workdir, name)) and os.listdir(os.path.join(workdir, name)))
-    ]
-    if resume or not found:
-        return
-    if not overwrite:
-        raise FileExistsError(
-            f"workdir {workdir} already holds a run ({', '.join(found)}). Pass resume=True to "
-            "continue that run, overwrite=True to delete its checkpoints and logs and start "
-            "afresh, or a new or empty workdir."
-        )
-    if lead:
-        for name in found:
-            path = os.path.join(workdir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    barrier("redcoast-claim-workdir")
-
-
-@contextlib.contextmanager
-def _stop_requests(enabled: bool) -> Iterator[list[str]]:
-    """Catch SIGTERM and SIGINT while training, so the loop can stop after a step.
-
-    Yields the list of signal names caught so far. A second signal of either kind
-    goes to the handler that was there before (the default one ends the process
-    at once), so a user can still force an exit.
-    """
-    caught: list[str] = []
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield caught
-        return
-    previous: dict[int, Any] = {}
-
-    def handler(signum: int, frame: Any) -> None:
-        if caught:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-            signal.raise_signal(signum)
-            return
-        caught.append(signal.Signals(signum).name)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, handler) or signal.SIG_DFL
-    try:
-        yield caught
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _any_process(flag: bool) -> bool:
-    """True on every process when `flag` is true on any (a collective: all must call)."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-
-
-def _restore_history(path: str, step: int, lead: bool) -> dict[str, list[dict[str, Any]]]:
-    """Records of `metrics.jsonl` up to `step`; on process 0, later lines are dropped.
-
-    Lines after the checkpoint were written by the run that was interrupted; the
-    resumed run writes those steps again. So is a torn last line (skipped with a
-    warning by `read_jsonl`), which the next line must not be appended to.
-    """
-    history: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
-    if not os.path.isfile(path):
-        return history
-    records, unfinished = read_jsonl(path)
-    kept = [r for r in records if int(r.get("step", 0)) <= step]
-    if lead and (unfinished or len(kept) != len(records)):
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, path)
-    for r in kept:
-        history["eval" if any(k.startswith("eval_") for k in r) else "train"].append(r)
-    return history
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """What every part of one `fit` call shares."""
-
-    mesh: Mesh
-    size: int  # the global batch of one optimizer step
-    seed: int
-    key: Any
-    root: str | None  # the workdir
-    lead: bool  # process 0, which writes
-    # epoch -> {"n_examples", "order"}: what a checkpoint records of the epoch's data.
-    data: Callable[[int], dict[str, Any]] | None = None
-    # With a trainable filter: its mask (checkpoints hold what it selects) and the
-    # fingerprint of the frozen arrays, which a checkpoint records and resume checks.
-    trainable: Any = None
-    frozen: dict[str, Any] | None = None
-
-    def saved_part(self, model: Any) -> Any:
-        """What a checkpoint holds of `model`: its trainable arrays, or all of it."""
-        return model if self.trainable is None else eqx.filter(model, self.trainable)
-
-    @property
-    def ckpts(self) -> str | None:
-        return None if self.root is None else os.path.join(self.root, "ckpts")
-
-
-def _resume(run: _Run, state: LoopState) -> tuple[LoopState, dict[str, Any]]:
-    """The state of the newest checkpoint of the run, checked against its seed and batch."""
-    history: dict[str, Any] = {"train": [], "eval": []}
-    assert run.root is not None and run.ckpts is not None
-    found = latest_checkpoint(run.ckpts)
-    if found is None:
-        return state, history
-    _check_base(found, checkpoint_state(found).get("loop", {}).get("frozen"), run.frozen)
-    # Loaded into the shardings of the freshly placed model and optimizer state.
-    ckpt = load_checkpoint(found, like=run.saved_part(state.model), opt_state_like=state.opt_state)
-    model = ckpt.model
-    if run.trainable is not None:
-        model = eqx.combine(model, eqx.filter(state.model, run.trainable, inverse=True))
-    loop = ckpt.state.get("loop", {})
-    if loop.get("seed") != run.seed or loop.get("global_batch_size") != run.size:
-        raise ValueError(
-            f"cannot resume step-exactly from {found}: it was saved with seed="
-            f"{loop.get('seed')} and a global batch of {loop.get('global_batch_size')}, "
-            f"this run has seed={run.seed} and a global batch of {run.size}. Use the same "
-            "seed and per_device_batch_size x data shards x accumulate_grad_batches, or a "
-            "new workdir."
-        )
-    _check_data(found, loop, run)
-    best = state.best
-    if best is not None and loop.get("best") and loop["best"]["metric"] == best.metric:
-        best = dataclasses.replace(best, **loop["best"])
-    history = _restore_history(os.path.join(run.root, "metrics.jsonl"), ckpt.step, run.lead)
-    if run.lead:
-        print(f"redcoast: resuming from {found} (step {ckpt.step}, epoch {loop['epoch']})")
-    resumed = dataclasses.replace(
-        state,
-        model=model,
-        opt_state=ckpt.opt_state,
-        step=ckpt.step,
-        epoch=int(loop["epoch"]),
-        position=int(loop["position"]),
-        best=best,
-    )
-    return resumed, history
-
-
-def _check_base(found: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
-    """Refuse to resume a partly trained run on a frozen base other than its own."""
-    if saved == now:
-        return
-    if saved is None:
-        raise ValueError(
-            f"cannot resume from {found}: it holds a whole model, saved by a run without "
-            "trainable=, and this run trains part of the model. Resume without trainable=, "
-            "or start the partial run in a new workdir."
-        )
-    if now is None:
-        raise ValueError(
-            f"cannot resume from {found}: it holds only the trainable arrays of a run with "
-            "trainable=, on a frozen base of "
-            f"{saved['arrays']} arrays ({saved['bytes']} bytes). Pass the same trainable= "
-            "and the same base model."
-        )
-    raise ValueError(
-        f"cannot resume from {found}: its trainable arrays were trained on another frozen "
-        f"base ({saved['arrays']} arrays, {saved['bytes']} bytes, xxh3_64 "
-        f"{saved['xxh3_64']}) than this run's ({now['arrays']} arrays, {now['bytes']} bytes, "
-        f"xxh3_64 {now['xxh3_64']}). Pass the base model the run started from (the same "
-        "weights, dtypes and trainable=), or a new workdir."
-    )
-
-
-def _check_data(found: Path, loop: dict[str, Any], run: _Run) -> None:
-    """Refuse to resume on other data: the saved position would point into another order."""
-    if "n_examples" not in loop or run.data is None:  # saved before redcoast recorded it
-        return
-    epoch = int(loop["epoch"])
-    now = run.data(epoch)
-    if now["n_examples"] != loop["n_examples"]:
-        raise ValueError(
-            f"cannot resume step-exactly from {found}: epoch {epoch} had "
-            f"{loop['n_examples']} training examples when it was saved, and this run's "
-            f"train_examples has {now['n_examples']}. The saved position ({loop['position']} "
-            "batches into the epoch) would skip or repeat examples. Pass the same "
-            "train_examples, or start afresh in a new workdir (or with overwrite=True)."
-        )
-    if now["order"] != loop["order"]:
-        raise ValueError(
-            f"cannot resume step-exactly from {found}: epoch {epoch}'s order of its "
-            f"{now['n_examples']} examples (seed {run.seed}) is not the saved one (checksum "
-            f"{now['order']}, saved {loop['order']}): NumPy shuffles them differently here "
-            "(another NumPy version?). Resume with the NumPy that saved the run, or start "
-            "afresh in a new workdir."
-        )
+# ----------------------------------------------------------------------------- fit
 
 
 def _report_stop(run: _Run, state: LoopState) -> None:
@@ -405,196 +174,6 @@ def _summary(state: LoopState, history: dict[str, Any], seconds: float) -> str:
         parts += [f"{k} {v:.4g}" for k, v in evals.items() if k.startswith("eval_")]
     metrics = f": {', '.join(parts)}" if parts else ""
     return f"redcoast: {state.step} steps in {seconds:.1f} s{metrics}"
-
-
-# ----------------------------------------------------------------------------- fit's hooks
-
-
-def _log_hooks(buffer: MetricsBuffer, log_every: int) -> list[Hook]:
-    """Keep every step's metrics; fetch them one step behind, and at epoch ends."""
-    return [
-        always(lambda s: buffer.add(s.step, s.epoch, s.metrics)),
-        # Fetching step s - 1 leaves step s running on the devices meanwhile.
-        Hook(
-            lambda s: buffer.flush(s.step - 1),
-            lambda s: s.step > 1 and (s.step - 1) % log_every == 0,
-        ),
-        Hook(lambda s: buffer.flush(s.step), lambda s: s.epoch_end or s.last),
-    ]
-
-
-def _eval_hook(
-    evaluation: Evaluation,
-    *,
-    evaluate: Callable[[LoopState], dict[str, float]],
-    buffer: MetricsBuffer,
-    save_best: Callable[[LoopState], None] | None,
-) -> Hook:
-    """Evaluate when due; track the best metric and keep its checkpoint."""
-
-    def fn(s: LoopState) -> LoopState | None:
-        buffer.flush(s.step)
-        metrics = evaluate(s)
-        if s.best is None:
-            return None
-        best, improved = s.best.update(metrics, s.step)
-        s = dataclasses.replace(s, best=best)
-        if improved and save_best is not None:
-            save_best(s)
-        return s
-
-    n = evaluation.every
-    return Hook(fn, lambda s: s.last or (s.step % n == 0 if n is not None else s.epoch_end))
-
-
-def _evaluator(
-    run: _Run,
-    evaluation: Evaluation,
-    loss_fn: LossFn,
-    collate_fn: CollateFn,
-    batch_size: int,
-    emit: Callable[[dict[str, Any], int], None],
-    records: list[dict[str, Any]],
-    precision: str,
-) -> Callable[[LoopState], dict[str, float]]:
-    """`state -> metrics`: one evaluation, logged, and written to `workdir/eval`."""
-    eval_dir = None if run.root is None or not run.lead else os.path.join(run.root, "eval")
-    mesh, key = run.mesh, run.key
-    loss_step = functools.partial(jit_eval_first, loss_fn, precision=precision)
-    pred_step = (
-        None
-        if evaluation.pred_fn is None
-        else predict_step(evaluation.pred_fn, precision=precision)
-    )
-
-    def evaluate(s: LoopState) -> dict[str, float]:
-        loss_metrics, outputs = inference(
-            s.model,
-            batches(
-                evaluation.examples,
-                collate_fn=collate_fn,
-                mesh=mesh,
-                batch_size=batch_size,
-                shuffle=False,
-                drop_last=False,
-            ),
-            key=key,
-            loss_step=loss_step,
-            pred_step=pred_step,
-            output_fn=evaluation.output_fn,
-        )
-        metrics = dict(loss_metrics or {})
-        if evaluation.metric_fn is not None:
-            assert outputs is not None
-            metrics.update(scalar_metrics(evaluation.metric_fn(evaluation.examples, outputs)))
-        record = {"epoch": s.epoch, **{f"eval_{k}": v for k, v in metrics.items()}}
-        records.append({"step": s.step, **record})
-        emit(record, s.step)
-        if eval_dir is not None:
-            os.makedirs(eval_dir, exist_ok=True)
-            with open(os.path.join(eval_dir, f"step_{s.step:08d}.json"), "w") as f:
-                dump = {"step": s.step, "epoch": s.epoch, "metrics": metrics, "outputs": outputs}
-                json.dump(dump, f, default=_json_default)
-        return metrics
-
-    return evaluate
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.ndarray | np.generic | jax.Array):
-        return np.asarray(x).tolist()
-    return repr(x)
-
-
-def _saver(run: _Run, buffer: MetricsBuffer) -> Callable[[Path, LoopState], None]:
-    """`(path, state) -> None`: a checkpoint that resumes this run step-exactly."""
-
-    def save(path: Path, s: LoopState) -> None:
-        loop = {
-            "epoch": s.epoch,
-            "position": s.position,
-            "seed": run.seed,
-            "global_batch_size": run.size,
-            "best": None if s.best is None else dataclasses.asdict(s.best),
-            **({} if run.data is None else run.data(s.epoch)),
-            **({} if run.frozen is None else {"frozen": run.frozen}),
-        }
-        save_checkpoint(
-            path,
-            model=run.saved_part(s.model),
-            opt_state=s.opt_state,
-            step=s.step,
-            loop=loop,
-            rng=np.asarray(jax.random.key_data(run.key)),
-            metrics=dict(buffer.last),
-        )
-
-    return save
-
-
-def _checkpoint_hook(
-    config: Checkpointing,
-    ckpt_dir: str,
-    *,
-    save: Callable[[Path, LoopState], None],
-    buffer: MetricsBuffer,
-    lead: bool,
-) -> Hook:
-    """Save `step_*` checkpoints when due and on a stop; prune the run's old ones."""
-
-    def fn(s: LoopState) -> None:
-        buffer.flush(s.step)
-        save(step_checkpoint_path(ckpt_dir, s.step), s)
-        if lead and config.keep_last_n is not None:
-            prune_checkpoints(ckpt_dir, config.keep_last_n)
-
-    def due(s: LoopState) -> bool:
-        periodic = config.every is not None and s.step % config.every == 0
-        return periodic or (s.last and config.last) or s.stop is not None
-
-    return Hook(fn, due)
-
-
-def _stop_hook(caught: list[str], log_every: int) -> Hook:
-    """Stop after a signal; in a multi-process run every process agrees, at logging steps."""
-
-    def fn(s: LoopState) -> LoopState | None:
-        if not _any_process(bool(caught)):
-            return None
-        why = f"{caught[0]} received" if caught else "a signal to another process"
-        return dataclasses.replace(s, stop=why)
-
-    def due(s: LoopState) -> bool:
-        return s.stop is None and (jax.process_count() == 1 or s.step % log_every == 0 or s.last)
-
-    return Hook(fn, due)
-
-
-def _hooks(
-    run: _Run,
-    *,
-    buffer: MetricsBuffer,
-    log_every: int,
-    evaluation: tuple[Evaluation, Callable[[LoopState], dict[str, float]]] | None,
-    user: Sequence[Hook],
-    caught: list[str],
-    checkpointing: Checkpointing,
-) -> list[Hook]:
-    """fit's behaviours in order: logging, evaluation, the user's hooks, stops, checkpoints."""
-    hooks = _log_hooks(buffer, log_every)
-    save = _saver(run, buffer)
-    if evaluation is not None:
-        best = None if run.ckpts is None else functools.partial(save, Path(run.ckpts, "best"))
-        hooks.append(
-            _eval_hook(evaluation[0], evaluate=evaluation[1], buffer=buffer, save_best=best)
-        )
-    hooks += user
-    if run.ckpts is not None:
-        hooks.append(_stop_hook(caught, log_every))
-        hooks.append(
-            _checkpoint_hook(checkpointing, run.ckpts, save=save, buffer=buffer, lead=run.lead)
-        )
-    return hooks
 
 
 def _check_options(

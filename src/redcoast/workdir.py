@@ -1,6 +1,7 @@
-"""One live run per workdir: an advisory `flock` on `workdir/.redcoast.lock`.
+"""One run per workdir: its files are refused to a fresh run, and one live run holds it.
 
-`fit` checks what a workdir already holds, but two runs started a second apart
+`claim_workdir` refuses a fresh run where another run left checkpoints, logs or
+evaluations (unless it may delete them), but two runs started a second apart
 both find it empty, and a run resumed while another still trains resumes that
 run's step: either way both write the same `step_*` checkpoints and
 `metrics.jsonl`. An OS lock closes that gap. The kernel releases a `flock` when
@@ -24,6 +25,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -34,8 +36,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from .data import barrier
+
 LOCK_FILE = ".redcoast.lock"
 """The file in a workdir that its live run holds locked."""
+
+_RUN_FILES = ("ckpts", "metrics.jsonl", "eval")
+"""What a run writes in its workdir: checkpoints, `metrics.jsonl` and evaluations."""
 
 # What filesystems without locks answer a flock with.
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
@@ -207,3 +214,41 @@ def hold_workdir(workdir: str | os.PathLike[str]) -> Iterator[None]:
     finally:
         if fd is not None:
             os.close(fd)  # closing the last descriptor of the file releases the flock
+
+
+def claim_workdir(workdir: str, *, resume: bool, overwrite: bool, lead: bool) -> None:
+    """A workdir belongs to one run: refuse a fresh run where another run left its files.
+
+    Args:
+        workdir: the run's folder.
+        resume: the run continues the one in `workdir`; its files are its own.
+        overwrite: delete another run's checkpoints, logs and evaluations first.
+        lead: this is process 0, which deletes; every process must call this.
+
+    Raises:
+        ValueError: both `resume` and `overwrite`.
+        FileExistsError: a fresh run without `overwrite` where another run left files.
+    """
+    if resume and overwrite:
+        raise ValueError(
+            "resume=True continues the run in workdir and overwrite=True deletes it; pass one."
+        )
+    found = [
+        name
+        for name in _RUN_FILES
+        if os.path.isfile(os.path.join(workdir, name))
+        or (os.path.isdir(os.path.join(workdir, name)) and os.listdir(os.path.join(workdir, name)))
+    ]
+    if resume or not found:
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"workdir {workdir} already holds a run ({', '.join(found)}). Pass resume=True to "
+            "continue that run, overwrite=True to delete its checkpoints and logs and start "
+            "afresh, or a new or empty workdir."
+        )
+    if lead:
+        for name in found:
+            path = os.path.join(workdir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    barrier("redcoast-claim-workdir")
