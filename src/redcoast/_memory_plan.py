@@ -1,0 +1,215 @@
+"""What `plan` reports: the layout measured, per-device bytes and the verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+__all__ = ["PRECISIONS", "REMATS", "Layout", "LoRA", "MemoryPlan", "fmt_bytes", "parse_bytes"]
+
+PRECISIONS = ("fp32", "bf16", "pure-bf16")
+REMATS = ("none", "dots", "full")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """`"32GB"` -> 32e9, `"40GiB"` -> 40 * 2**30, `"512B"` -> 512; ints are bytes already.
+
+    A string needs its unit: `"40"` is refused, since whether 40 bytes or 40 GB was
+    meant cannot be known, and 40 bytes would make every layout fail.
+
+    Raises:
+        ValueError: not a number followed by a unit (B, KB, MB, GB, TB, KiB..TiB).
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"device memory {text!r} is not a size; write a number and a unit, e.g. 32GB, "
+            "40GiB or 16000000000B."
+        )
+    if not unit:
+        raise ValueError(
+            f"device memory {text!r} has no unit; write {match.group(1)}GB, "
+            f"{match.group(1)}GiB, or {match.group(1)}B if bytes are meant."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Bytes in GB (10**9) with one decimal, or MB below 1 GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a train step is laid out over devices, and run.
+
+    Attributes:
+        devices: all devices of all hosts.
+        n_model_shards: the size of the model axis (tensor parallelism).
+        fsdp: split weights, gradients and optimizer state over the data axis too.
+        precision: `"fp32"`, `"bf16"` (fp32 master weights, bf16 compute) or
+            `"pure-bf16"`.
+        remat: the zoo's per-block policy, `"none"`, `"dots"` or `"full"`.
+        per_device_batch_size: sequences per data-parallel device.
+        seq_len: tokens per sequence.
+    """
+
+    devices: int
+    n_model_shards: int = 1
+    fsdp: bool = False
+    precision: str = "fp32"
+    remat: str = "none"
+    per_device_batch_size: int = 1
+    seq_len: int = 1024
+
+    def __str__(self) -> str:
+        parts = [f"TP {self.n_model_shards}"] if self.n_model_shards > 1 else []
+        n_data = self.devices // self.n_model_shards
+        parts.append(f"FSDP {n_data}" if self.fsdp else f"DP {n_data}")
+        return (
+            " x ".join(parts) + f", {self.precision}, remat {self.remat}, "
+            f"batch {self.per_device_batch_size}/device"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """What a LoRA plan trains: rank-`rank` adapters on `targets`, the rest frozen.
+
+    Attributes:
+        rank: the adapters' rank.
+        targets: globs over the Linears' paths (`rc.lora.apply`), or `None` for
+            every Linear but the output head: each block's attention and MLP
+            projections. PEFT's LLaMA default is q_proj and v_proj only (Hu et al.'s
+            choice under a fixed parameter budget); QLoRA (Dettmers et al. 2023)
+            found adapters on every linear layer needed to match full fine-tuning.
+            On LLaMA-7B at rank 8 that is 20.0M trainable parameters against 4.2M.
+        frozen_dtype: the dtype frozen weights are stored in; bfloat16 by default,
+            since they get no gradient or update and only have to be read.
+    """
+
+    rank: int
+    targets: tuple[str, ...] | None = None
+    frozen_dtype: str = "bfloat16"
+
+    def describe(self) -> str:
+        """`LoRA rank 8 on q_proj, v_proj, frozen weights bfloat16` and the like."""
+        where = (
+            "the attention and MLP projections (every Linear but the head)"
+            if self.targets is None
+            else ", ".join(self.targets)
+        )
+        return f"LoRA rank {self.rank} on {where}, frozen weights {self.frozen_dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes of one compiled train step, and the verdict.
+
+    Attributes:
+        model: what was planned.
+        n_params: parameters of the model.
+        layout: the layout compiled.
+        params: bytes of parameters per device.
+        opt_state: bytes of optimizer state per device.
+        gradients: bytes of gradients per device (one copy of the parameters in the
+            master dtype, split as they are; part of `temporaries`).
+        temporaries: XLA's temporary bytes (gradients, activations, workspace).
+        peak: arguments + temporaries + outputs that do not reuse donated inputs: the
+            step as `fit(..., donate=True)` runs it (see `peak_keeping_model`).
+        device_memory: the budget, or `None`.
+        max_batch: the largest per-device batch that fits, when asked and known.
+        compile_seconds: time to compile the step.
+        tried: other layouts compiled on the way (`--search`), with their peaks.
+        lora: the LoRA settings of a LoRA plan, else `None`.
+        n_trainable: parameters that train (all of them without LoRA).
+    """
+
+    model: str
+    n_params: int
+    layout: Layout
+    params: int
+    opt_state: int
+    gradients: int
+    temporaries: int
+    peak: int
+    device_memory: int | None
+    max_batch: int | None = None
+    compile_seconds: float = 0.0
+    tried: tuple[tuple[str, int | None], ...] = ()
+    lora: LoRA | None = None
+    n_trainable: int | None = None
+
+    @property
+    def activations(self) -> int:
+        """Temporaries other than the gradients: activations and workspace."""
+        return max(self.temporaries - self.gradients, 0)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak is within `device_memory` (`None` without a budget)."""
+        return None if self.device_memory is None else self.peak <= self.device_memory
+
+    @property
+    def peak_keeping_model(self) -> int:
+        """The peak of `rc.fit` without `donate=True`, which keeps the model it was
+        given valid: one more copy of the parameters beside the step's `peak`."""
+        return self.peak + self.params
+
+    def _verdict(self, peak: int) -> str:
+        if self.device_memory is None:
+            return ""
+        return ", fits" if peak <= self.device_memory else ", does not fit"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary of every figure."""
+        out = dataclasses.asdict(self)
+        out["layout"] = dataclasses.asdict(self.layout)
+        out["activations"] = self.activations
+        out["fits"] = self.fits
+        out["peak_keeping_model"] = self.peak_keeping_model
+        return out
+
+    def _lora_lines(self) -> list[str]:
+        if self.lora is None:
+            return []
+        trained = self.n_trainable or 0
+        return [
+            f"{self.lora.describe()}: {trained:,} trainable parameters "
+            f"({100 * trained / self.n_params:.2f}%); gradients and optimizer state for them only"
+        ]
+
+    def __str__(self) -> str:
+        verdict = {None: "", True: "fits", False: "does not fit"}[self.fits]
+        budget = "" if self.device_memory is None else f" of {fmt_bytes(self.device_memory)}"
+        lines = [
+            f"{self.model}: {self.n_params / 1e9:.2f}B parameters, {self.layout.seq_len} tokens, "
+            f"{self.layout.devices} devices",
+            f"layout: {self.layout}",
+            *self._lora_lines(),
+            f"per device: parameters {fmt_bytes(self.params)}, optimizer state "
+            f"{fmt_bytes(self.opt_state)}, gradients {fmt_bytes(self.gradients)}, "
+            f"activations and workspace {fmt_bytes(self.activations)}",
+            f"peak: {fmt_bytes(self.peak)}{budget}" + (f": {verdict}" if verdict else ""),
+            f"rc.fit hands the model over with donate=True and runs at this peak; without it "
+            f"fit keeps the model given valid: {fmt_bytes(self.peak_keeping_model)}"
+            + self._verdict(self.peak_keeping_model),
+        ]
+        if self.max_batch is not None:
+            lines.append(f"largest per-device batch that fits: {self.max_batch}")
+        if self.tried:
+            lines.append(
+                "tried: "
+                + "; ".join(
+                    f"{layout}: {'skipped, parameters alone exceed' if p is None else fmt_bytes(p)}"
+                    for layout, p in self.tried
+                )
+            )
+        lines.append(f"compiled in {self.compile_seconds:.1f} s")
+        return "\n".join(lines)
