@@ -18,7 +18,6 @@ Every primitive name and param is read through `_jaxpr.py`, never here.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,108 +27,14 @@ import jax
 import numpy as np
 
 from . import _jaxpr
+from ._dataflow_state import DATA, EMPTY, Axes, join
+from ._dataflow_state import NO_USE as NO_USE
+from ._dataflow_state import Dataflow as Dataflow
+from ._dataflow_state import Use as Use
+from ._dataflow_state import Value as Value
 from ._jaxpr import UnknownLayout
 
 __all__ = ["NO_USE", "RULES", "Dataflow", "Use", "Value", "conservative", "trace_dataflow"]
-
-# Axis origin: for each axis of a value, the leaf axis it holds (None: none).
-Axes = tuple[int | None, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Value:
-    """What the walk knows about one jaxpr value.
-
-    weight: (leaf, leaf axis per value axis) when the value is a weight, possibly
-        cast, transposed, sliced, broadcast or reshaped.
-    taint: the matmul weights whose outputs reach this value with no matmul between,
-        except through a gate (see `Dataflow.gates`).
-    data: whether the value depends on the example input (not only on iota/literals).
-    feat: (leaf, leaf axis per value axis) for the matmul whose output this value
-        still is, through elementwise ops and reshapes that keep its axes.
-    bcast: the value was broadcast to a larger shape and so scales or shifts whatever
-        it is combined with, rather than carrying features of its own.
-    """
-
-    weight: tuple[int, Axes] | None = None
-    taint: frozenset[int] = frozenset()
-    data: bool = False
-    feat: tuple[int, Axes] | None = None
-    bcast: bool = False
-
-
-EMPTY = Value()
-DATA = Value(data=True)
-
-
-def _join(a: Value, b: Value) -> Value:
-    return Value(
-        weight=a.weight if a.weight == b.weight else None,
-        taint=a.taint | b.taint,
-        data=a.data or b.data,
-        feat=a.feat if a.feat == b.feat else None,
-        bcast=a.bcast and b.bcast,
-    )
-
-
-@dataclasses.dataclass
-class Use:
-    """How one weight is used by matmuls (the first use decides; others are checked).
-
-    in_axes: leaf axes contracted with the input.
-    out_axes: leaf axes that appear in the output as features.
-    batch_axes: leaf axes that are batch dimensions of the matmul (stacked experts).
-    taint: the matmuls whose outputs reach this weight's input.
-    out_elems: elements of the matmul's output (for cost estimates).
-    in_elems: elements of the matmul's other operand (for cost estimates).
-    stem: the input is the example's data itself, reached through no matmul.
-    """
-
-    in_axes: tuple[int, ...]
-    out_axes: tuple[int, ...]
-    batch_axes: tuple[int, ...]
-    taint: set[int]
-    out_elems: int
-    in_elems: int = 0
-    stem: bool = False
-
-
-@dataclasses.dataclass
-class Dataflow:
-    """What a walk over the traced jaxpr found; leaves are indices into the flat arrays.
-
-    uses: matmul weights and how they are used, in `order` of first use.
-    heads: leaf -> number of heads its output is reshaped into.
-    lookups: leaf -> {whether the indices of a gather from it depend on data}.
-    looked_up: leaf -> elements gathered from it by data (for cost estimates).
-    gates: matmul weights whose outputs only scale, shift or select other values
-        (multiplied in after a broadcast, or contracted against another branch's
-        outputs) and never reach another matmul's input or the result as features.
-    ties: vector leaf -> (matmul leaf, {vector axis: matmul leaf axis}) for arrays
-        added to (or multiplied into) a matmul's output: they split with it.
-    conflicts: leaves used in matmuls of different orientation.
-    opaque: primitive -> why the walk did not follow it (no rule for its sub-jaxprs, or
-        params `_jaxpr.py` cannot read); each got the conservative rule.
-    touched: weight leaf -> the opaque primitive that read it (it is replicated).
-    gated: matmuls seen passing through a gate somewhere (`gates` is those of them
-        whose outputs never reach a matmul's input or the result otherwise).
-    reaching: matmuls whose outputs reach some matmul's input or the result.
-    stacked: leaf -> its axes a loop iterates over (the layer axis of scanned layers).
-    """
-
-    uses: dict[int, Use] = dataclasses.field(default_factory=dict)
-    order: list[int] = dataclasses.field(default_factory=list)
-    heads: dict[int, int] = dataclasses.field(default_factory=dict)
-    lookups: dict[int, set[bool]] = dataclasses.field(default_factory=dict)
-    looked_up: dict[int, int] = dataclasses.field(default_factory=dict)
-    gates: set[int] = dataclasses.field(default_factory=set)
-    ties: dict[int, tuple[int, dict[int, int]]] = dataclasses.field(default_factory=dict)
-    conflicts: set[int] = dataclasses.field(default_factory=set)
-    opaque: dict[str, str] = dataclasses.field(default_factory=dict)
-    touched: dict[int, str] = dataclasses.field(default_factory=dict)
-    gated: set[int] = dataclasses.field(default_factory=set)
-    reaching: set[int] = dataclasses.field(default_factory=set)
-    stacked: dict[int, set[int]] = dataclasses.field(default_factory=dict)
 
 
 def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...], axis: int) -> tuple[int, int] | None:
@@ -263,11 +168,11 @@ class _Walk:
         outs: list[Value] = []
         for _ in range(6):
             outs = self.sub(body, consts + carry + xs)
-            new = [_join(a, b) for a, b in zip(carry, outs[:nc], strict=True)]
+            new = [join(a, b) for a, b in zip(carry, outs[:nc], strict=True)]
             if new == carry:
                 break
             carry = new
-        return [_join(a, b) for a, b in zip(carry, outs[:nc], strict=True)] + outs[nc:]
+        return [join(a, b) for a, b in zip(carry, outs[:nc], strict=True)] + outs[nc:]
 
 
 Rule = Callable[[_Walk, Any, list[Value]], list[Value]]
@@ -479,9 +384,6 @@ def dot_general(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     return [Value(taint=frozenset({leaf}), data=x.data, feat=(leaf, tuple(out)))]
 
 
-NO_USE = Use((), (), (), set(), 0)  # what an array no matmul uses would have
-
-
 def _activation_dot(walk: _Walk, lhs: Value, rhs: Value, contract: tuple) -> Value:
     """A product of two activations (attention scores, a mixture's combine).
 
@@ -590,7 +492,7 @@ def cond(walk: _Walk, eqn: Any, ins: list[Value]) -> list[Value]:
     outs: list[Value] | None = None
     for branch in _jaxpr.cond_branches(eqn):
         res = walk.sub(branch, ins[1:])
-        outs = res if outs is None else [_join(a, b) for a, b in zip(outs, res, strict=True)]
+        outs = res if outs is None else [join(a, b) for a, b in zip(outs, res, strict=True)]
     return outs or [EMPTY] * len(eqn.outvars)
 
 

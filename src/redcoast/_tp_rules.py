@@ -19,7 +19,8 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._dataflow import NO_USE, Dataflow, Use, trace_dataflow
+from ._dataflow import trace_dataflow
+from ._dataflow_state import NO_USE, Dataflow, Use
 from ._model_structure import ModelInfo
 from ._sharding_plan import fmt_bytes
 from .mesh import MODEL
