@@ -283,3 +283,9 @@ def test_watchdog_setting_from_argument_environment_or_default() -> None:
     assert distributed.watchdog_enabled(True, env={}) is True
     with pytest.raises(ValueError, match=r"REDCOAST_WATCHDOG='yes' must be 1"):
         distributed.watchdog_enabled(env={"REDCOAST_WATCHDOG": "yes"})
+
+
+def test_from_hf_refuses_an_option_it_does_not_know(tmp_path) -> None:
+    for load in (rc.models.from_hf, rc.models.Llama.from_hf):
+        with pytest.raises(TypeError, match=r"\['mseh'\].*'mesh'"):
+            load(tmp_path, mseh=None)

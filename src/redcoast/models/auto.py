@@ -1,16 +1,13 @@
 """Load any model of the zoo from a Hugging Face folder, the class picked by config.json."""
 
 from pathlib import Path
-
-from jax.sharding import Mesh
-from jax.typing import DTypeLike
-from jaxtyping import PyTree
+from typing import Unpack
 
 from .bart import BART
 from .causal_lm import AbstractCausalLM
 from .gpt2 import GPT2
 from .gptj import GPTJ
-from .hf import read_config
+from .hf import LoadOptions, check_load_options, read_config
 from .llama import Llama
 from .opt import OPT
 from .seq2seq import AbstractSeq2SeqLM
@@ -23,39 +20,27 @@ ARCHITECTURES: dict[str, type[AbstractCausalLM] | type[AbstractSeq2SeqLM]] = {
 
 
 def from_hf(
-    path: str | Path,
-    *,
-    mesh: Mesh | None = None,
-    specs: PyTree | None = None,
-    fsdp: bool = False,
-    dtype: DTypeLike | None = None,
-    scan_layers: bool = False,
-    vocab_multiple: int = 1,
-    remat: str = "none",
+    path: str | Path, **options: Unpack[LoadOptions]
 ) -> AbstractCausalLM | AbstractSeq2SeqLM:
     """Load a `transformers` `save_pretrained` folder as a `GPT2`, `Llama`, `OPT`, `GPTJ`,
     `T5` or `BART`.
 
     Args:
         path: the folder (config.json + safetensors).
-        mesh: place each array on this mesh as it is read (see `HFModel.from_hf`).
-        specs: the `PartitionSpec` tree; derived with the sharding rules when omitted.
-        fsdp: with derived specs, split the weights over the data axis too (ZeRO-3).
-        dtype: cast floating arrays to this dtype (e.g. `jnp.bfloat16`); default: as stored.
-        scan_layers: stack the layers and run them with `lax.scan`.
-        vocab_multiple: pad the vocabulary to a multiple of this (`128 * n_model_shards`
-            splits it evenly, as Megatron-LM does); see `HFModel.from_hf`.
-        remat: the blocks' rematerialisation policy (`"none"`, `"dots"`, `"full"`).
+        **options: `mesh`, `specs`, `fsdp`, `dtype`, `scan_layers`, `vocab_multiple`
+            and `remat`, each a keyword (see `LoadOptions`), as for `HFModel.from_hf`.
 
     Returns:
         The model, of the class config.json's `model_type` names.
 
     Raises:
         ValueError: config.json names an architecture redcoast does not implement.
+        TypeError: an option that `LoadOptions` does not name.
 
     Example:
         >>> model = rc.models.from_hf("tiny-llama", mesh=rc.make_mesh(2))
     """
+    check_load_options(options)
     folder = Path(path)
     values = read_config(folder)
     model_type = values.get("model_type")
@@ -65,13 +50,4 @@ def from_hf(
             f"(architectures={values.get('architectures')}), which redcoast does not "
             f"implement; supported model_type values: {sorted(ARCHITECTURES)}."
         )
-    return ARCHITECTURES[model_type].from_hf(
-        folder,
-        mesh=mesh,
-        specs=specs,
-        fsdp=fsdp,
-        dtype=dtype,
-        scan_layers=scan_layers,
-        vocab_multiple=vocab_multiple,
-        remat=remat,
-    )
+    return ARCHITECTURES[model_type].from_hf(folder, **options)

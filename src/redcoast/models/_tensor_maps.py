@@ -1,0 +1,114 @@
+"""How a checkpoint's tensors become a model's arrays and back: one `TensorMap` each.
+
+Each architecture lists its maps (`hf_tensors`); `hf.load` and `hf.save` apply
+them. Besides a tensor stored as the model stores it (`same`), there are GPT-2's
+transposed `Conv1D` weights (`conv1d`), tables padded to a vocabulary multiple
+(`vocab_rows`) and fused Q/K/V projections split in three (`fused_qkv`).
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from ._hf_config import HFConfig
+
+__all__ = ["TensorMap", "conv1d", "fused_qkv", "same", "vocab_rows"]
+
+
+def _one(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    return (x,)
+
+
+def _first(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+    return xs[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """How one checkpoint tensor becomes one or more arrays of the model, and back.
+
+    Attributes:
+        hf: the tensor's name in the checkpoint; `{i}` stands for the layer index.
+        ours: dotted paths of the model's arrays it fills. In a per-layer map they are
+            relative to one block (`attn.q_proj.weight`).
+        to_ours: checkpoint tensor -> the arrays of `ours`, in order.
+        to_hf: the arrays of `ours` -> the checkpoint tensor.
+        stack: in a per-layer map, the model's field that holds the layers
+            (`blocks`; an encoder-decoder has `encoder_blocks` and `decoder_blocks`).
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]] = _one
+    to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray] = _first
+    stack: str = "blocks"
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+
+def same(hf: str, ours: str) -> TensorMap:
+    """A tensor stored as the model stores it (PyTorch `nn.Linear` is `(out, in)` too)."""
+    return TensorMap(hf, (ours,))
+
+
+def _transpose(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    return (np.ascontiguousarray(x.T),)
+
+
+def _transpose_back(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.ascontiguousarray(xs[0].T)
+
+
+def conv1d(hf: str, ours: str) -> TensorMap:
+    """GPT-2's `Conv1D` weight, stored `(in, out)`: transposed to Equinox's `(out, in)`."""
+    return TensorMap(hf, (ours,), _transpose, _transpose_back)
+
+
+def vocab_rows(hf: str, ours: str, config: HFConfig) -> TensorMap:
+    """A tensor with a row per token: padded with zero rows up to the config's
+    `padded_vocab_size` on loading, written back with `vocab_size` rows."""
+    vocab, padded = int(getattr(config, "vocab_size")), config.padded_vocab_size  # noqa: B009
+
+    def pad(x: np.ndarray) -> tuple[np.ndarray, ...]:
+        if x.shape[0] != vocab:
+            raise ValueError(f"expected {vocab} rows (vocab_size), got {x.shape[0]}")
+        return (np.concatenate([x, np.zeros((padded - vocab, *x.shape[1:]), x.dtype)]),)
+
+    def unpad(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+        return xs[0][:vocab]
+
+    return TensorMap(hf, (ours,), pad, unpad)
+
+
+def _split3_weight(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    if x.ndim != 2 or x.shape[1] % 3:
+        raise ValueError(f"expected (in, 3 * out), got shape {x.shape}")
+    return tuple(np.ascontiguousarray(p) for p in np.split(x.T, 3, axis=0))
+
+
+def _join3_weight(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.ascontiguousarray(np.concatenate(xs, axis=0).T)
+
+
+def _split3_bias(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    if x.ndim != 1 or x.shape[0] % 3:
+        raise ValueError(f"expected (3 * out,), got shape {x.shape}")
+    return tuple(np.ascontiguousarray(p) for p in np.split(x, 3, axis=0))
+
+
+def _join3_bias(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.concatenate(xs, axis=0)
+
+
+def fused_qkv(hf: str, q: str, k: str, v: str, *, bias: bool) -> TensorMap:
+    """GPT-2's `c_attn`: Q, K and V in one Conv1D, split into three Linears.
+
+    Separate projections are what the sharding rules recognise as attention, and
+    they let each be split by heads on its own.
+    """
+    if bias:
+        return TensorMap(hf, (q, k, v), _split3_bias, _join3_bias)
+    return TensorMap(hf, (q, k, v), _split3_weight, _join3_weight)
