@@ -215,25 +215,7 @@ def load_peft(
     _check_config(config, root / CONFIG)
     tensors = load_file(str(root / WEIGHTS))
     modules = _modules(model)
-    by_name = {
-        module.format(i=i): (path, i, stacked)
-        for path, (module, i, stacked) in modules.items()
-        for i in ([i] if not stacked else range(_layers(model, path)))
-    }
-    found: dict[str, dict[tuple[str, int | None], np.ndarray]] = {}
-    for key, value in tensors.items():
-        name = key.removeprefix(_PREFIX)
-        module, which = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
-        # PEFT drops the adapter's name on save; a folder written by hand may keep it.
-        module = module.removesuffix(".default")
-        if module not in by_name or which not in _AB.values():
-            raise ValueError(
-                f"{root / WEIGHTS}: {key!r} names no projection of {type(model).__name__} "
-                f"that redcoast can adapt (known: {sorted(by_name)[:4]} ...)."
-            )
-        path, i, stacked = by_name[module]
-        ours = "lora_a" if which == "lora_A" else "lora_b"
-        found.setdefault(path, {})[(ours, i if stacked else None)] = value
+    found = _adapters_by_path(tensors, model, modules, root / WEIGHTS)
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     dropout = float(config.get("lora_dropout") or 0.0)
     wrapped = apply(
@@ -249,35 +231,72 @@ def load_peft(
     def fill(path: str, layer: Any) -> Any:
         if not isinstance(layer, LoRALinear) or path not in found:
             return layer
-        arrays = []
-        for ours in ("lora_a", "lora_b"):
-            like = getattr(layer, ours).weight
-            stacked = modules[path][2]
-            n = like.shape[0] if stacked else 0
-            pieces = found[path]
-            try:
-                got = (
-                    np.stack([pieces[(ours, i)] for i in range(n)])
-                    if stacked
-                    else pieces[(ours, None)]
-                )
-            except KeyError as err:
-                raise ValueError(
-                    f"{root / WEIGHTS}: {path}'s {_AB[ours]} is missing for layer {err}; an "
-                    "adapter on scanned layers must cover every layer."
-                ) from err
-            if got.shape != like.shape:
-                raise ValueError(
-                    f"{root / WEIGHTS}: {path}'s {_AB[ours]} has shape {got.shape}, the model "
-                    f"needs {like.shape}: the adapter was trained on another architecture."
-                )
-            arrays.append(jnp.asarray(got, dtype))
-        return eqx.tree_at(lambda m: (m.lora_a.weight, m.lora_b.weight), layer, tuple(arrays))
+        return _filled(layer, path, found[path], modules[path][2], dtype, root / WEIGHTS)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         wrapped, is_leaf=lambda x: isinstance(x, LoRALinear)
     )
     return jax.tree_util.tree_unflatten(treedef, [fill(path_str(p), x) for p, x in flat])
+
+
+def _adapters_by_path(
+    tensors: dict[str, np.ndarray],
+    model: PyTree,
+    modules: dict[str, tuple[str, int | None, bool]],
+    file: Path,
+) -> dict[str, dict[tuple[str, int | None], np.ndarray]]:
+    """A PEFT file's tensors by our Linear path: `(lora_a | lora_b, layer or None)` -> tensor."""
+    by_name = {
+        module.format(i=i): (path, i, stacked)
+        for path, (module, i, stacked) in modules.items()
+        for i in ([i] if not stacked else range(_layers(model, path)))
+    }
+    found: dict[str, dict[tuple[str, int | None], np.ndarray]] = {}
+    for key, value in tensors.items():
+        name = key.removeprefix(_PREFIX)
+        module, which = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+        # PEFT drops the adapter's name on save; a folder written by hand may keep it.
+        module = module.removesuffix(".default")
+        if module not in by_name or which not in _AB.values():
+            raise ValueError(
+                f"{file}: {key!r} names no projection of {type(model).__name__} "
+                f"that redcoast can adapt (known: {sorted(by_name)[:4]} ...)."
+            )
+        path, i, stacked = by_name[module]
+        ours = "lora_a" if which == "lora_A" else "lora_b"
+        found.setdefault(path, {})[(ours, i if stacked else None)] = value
+    return found
+
+
+def _filled(
+    layer: LoRALinear,
+    path: str,
+    pieces: dict[tuple[str, int | None], np.ndarray],
+    stacked: bool,
+    dtype: DTypeLike,
+    file: Path,
+) -> LoRALinear:
+    """`layer` with the adapter's `lora_a` and `lora_b`, stacked per layer when scanned."""
+    arrays = []
+    for ours in ("lora_a", "lora_b"):
+        like = getattr(layer, ours).weight
+        n = like.shape[0] if stacked else 0
+        try:
+            got = (
+                np.stack([pieces[(ours, i)] for i in range(n)]) if stacked else pieces[(ours, None)]
+            )
+        except KeyError as err:
+            raise ValueError(
+                f"{file}: {path}'s {_AB[ours]} is missing for layer {err}; an "
+                "adapter on scanned layers must cover every layer."
+            ) from err
+        if got.shape != like.shape:
+            raise ValueError(
+                f"{file}: {path}'s {_AB[ours]} has shape {got.shape}, the model "
+                f"needs {like.shape}: the adapter was trained on another architecture."
+            )
+        arrays.append(jnp.asarray(got, dtype))
+    return eqx.tree_at(lambda m: (m.lora_a.weight, m.lora_b.weight), layer, tuple(arrays))
 
 
 def _layers(model: Any, path: str) -> int:
