@@ -5,7 +5,9 @@ JAX clamps out-of-range indices and wraps 64-bit integers to 32 bits, so each ca
 here used to return finite, wrong numbers.
 """
 
+import json
 import re
+import subprocess
 import sys
 
 import equinox as eqx
@@ -283,6 +285,47 @@ def test_watchdog_setting_from_argument_environment_or_default() -> None:
     assert distributed.watchdog_enabled(True, env={}) is True
     with pytest.raises(ValueError, match=r"REDCOAST_WATCHDOG='yes' must be 1"):
         distributed.watchdog_enabled(env={"REDCOAST_WATCHDOG": "yes"})
+
+
+IMPORT_STATE = """
+import json, logging, os, signal, sys, threading, warnings
+import jax
+
+def state():
+    loggers = [logging.root, *map(logging.getLogger, sorted(logging.root.manager.loggerDict))]
+    return {
+        "environment": dict(os.environ),
+        "jax config": {k: repr(v) for k, v in jax.config.values.items()},
+        "logging handlers": {l.name: repr(l.handlers) for l in loggers if l.handlers},
+        "logging levels": {l.name: l.level for l in loggers if l.level},
+        "signal handlers": {s.name: repr(signal.getsignal(s)) for s in signal.valid_signals()
+                            if isinstance(s, signal.Signals)},
+        "excepthook": repr(sys.excepthook),
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "warning filters": repr(warnings.filters),
+    }
+
+before = state()
+import redcoast, redcoast.cli, redcoast.distributed, redcoast.lora, redcoast.models, redcoast.text
+after = state()
+from redcoast._jax_private import backends_are_initialized
+print(json.dumps({
+    "changed": {k: [before[k], after[k]] for k in before if before[k] != after[k]},
+    "backend started": backends_are_initialized(),
+}))
+"""
+
+
+def test_importing_redcoast_changes_nothing_process_wide() -> None:
+    # In a fresh interpreter: this one has long imported redcoast (and started JAX).
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_STATE], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["changed"] == {}
+    # So a program can still choose its devices (`jax_num_cpu_devices`) after the import.
+    assert found["backend started"] is False
 
 
 def test_from_hf_refuses_an_option_it_does_not_know(tmp_path) -> None:
