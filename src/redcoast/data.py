@@ -225,6 +225,16 @@ def collate(collate_fn: CollateFn, examples: list[Any]) -> dict[str, np.ndarray]
     return arrays
 
 
+def int32_overflow(x: np.ndarray) -> tuple[int, int, np.iinfo] | None:
+    """`(min, max, the 32-bit range)` when 64-bit integers `x` hold a value outside the
+    32-bit range JAX converts them to with x64 disabled, else None (other dtypes too)."""
+    if x.dtype not in (np.int64, np.uint64) or x.size == 0:
+        return None
+    narrow = np.iinfo(np.int32 if x.dtype == np.int64 else np.uint32)
+    low, high = int(x.min()), int(x.max())
+    return (low, high, narrow) if low < narrow.min or high > narrow.max else None
+
+
 def check_int_range(arrays: Mapping[str, np.ndarray]) -> None:
     """Refuse 64-bit integers that JAX would silently wrap when it makes them 32-bit.
 
@@ -246,11 +256,9 @@ def check_int_range(arrays: Mapping[str, np.ndarray]) -> None:
     if jax.config.read("jax_enable_x64"):
         return
     for key, v in arrays.items():
-        if v.dtype not in (np.int64, np.uint64) or v.size == 0:
-            continue
-        narrow = np.iinfo(np.int32 if v.dtype == np.int64 else np.uint32)
-        low, high = int(v.min()), int(v.max())
-        if low < narrow.min or high > narrow.max:
+        wraps = int32_overflow(v)
+        if wraps is not None:
+            low, high, narrow = wraps
             raise ValueError(
                 f"batch key {key!r} ({v.dtype}) has values in [{low}, {high}], outside the "
                 f"{narrow.dtype} range [{narrow.min}, {narrow.max}] that JAX converts it to "

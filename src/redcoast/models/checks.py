@@ -26,6 +26,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
+from ..data import int32_overflow
+
 
 @overload
 def check_range(x: int, low: int, high: int, what: str, fix: str) -> int: ...
@@ -130,14 +132,13 @@ def as_int_array(x: Any, what: str) -> Array:
     if isinstance(x, jax.Array) or jax.config.read("jax_enable_x64"):
         return jnp.asarray(x)
     host = np.asarray(x)
-    if host.dtype in (np.int64, np.uint64) and host.size:
-        narrow = np.iinfo(np.int32 if host.dtype == np.int64 else np.uint32)
-        low, high = int(host.min()), int(host.max())
-        if low < narrow.min or high > narrow.max:
-            raise ValueError(
-                f"{what} ({host.dtype}) has values in [{low}, {high}], outside the "
-                f"{narrow.dtype} range JAX converts it to with x64 disabled: they would wrap "
-                f"around silently ({2**32 + 5} becoming 5). Token ids and lengths fit in "
-                "int32; check what produced these values."
-            )
+    wraps = int32_overflow(host)
+    if wraps is not None:
+        low, high, narrow = wraps
+        raise ValueError(
+            f"{what} ({host.dtype}) has values in [{low}, {high}], outside the "
+            f"{narrow.dtype} range JAX converts it to with x64 disabled: they would wrap "
+            f"around silently ({2**32 + 5} becoming 5). Token ids and lengths fit in "
+            "int32; check what produced these values."
+        )
     return jnp.asarray(host)
