@@ -16,6 +16,7 @@ import pytest
 
 import redcoast as rc
 from redcoast import distributed
+from redcoast._watchdog import silent_peers
 from redcoast.distributed import (
     EXIT_PEER_LOST,
     expand_nodelist,
@@ -292,7 +293,7 @@ def test_heartbeat_timeout_from_argument_environment_or_default() -> None:
 
 
 def test_a_peer_is_lost_when_its_heartbeat_stops_advancing() -> None:
-    silent = distributed._silent_peers
+    silent = silent_peers
     seen = {1: ("", 0.0), 2: ("", 0.0), 3: ("", 0.0)}
     beats = [("redcoast/alive/0", "4"), ("redcoast/alive/1", "3"), ("redcoast/alive/2", "3")]
     lost, seen = silent(beats, seen, now=4.0, timeout=5.0)

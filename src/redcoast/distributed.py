@@ -13,24 +13,20 @@ the others hanging: every process sends a heartbeat through the coordinator's
 key-value store, process 0 watches them, and when one falls silent every survivor
 exits with `EXIT_PEER_LOST` and a message naming it. Off (the default), redcoast
 changes nothing process-wide: no thread, no `sys.excepthook`, no `atexit` hook.
+The watchdog itself is in `_watchdog.py`.
 """
 
-import atexit
-import contextlib
 import dataclasses
 import itertools
 import math
 import os
 import re
-import sys
-import threading
-import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 
-from ._jax_private import backends_are_initialized, coordination_client
+from ._jax_private import backends_are_initialized
 from ._launch import (
     ENV_ADDRESS,
     ENV_HEARTBEAT,
@@ -40,6 +36,8 @@ from ._launch import (
     free_port,
     launch,
 )
+from ._watchdog import EXIT_PEER_LOST as EXIT_PEER_LOST
+from ._watchdog import start_watchdog
 
 __all__ = [
     "DEFAULT_HEARTBEAT_SECONDS",
@@ -61,16 +59,6 @@ __all__ = [
 
 DEFAULT_HEARTBEAT_SECONDS = 30
 """A process silent this long is declared lost (override: `REDCOAST_HEARTBEAT_TIMEOUT`)."""
-EXIT_PEER_LOST = 75
-"""Exit code of a survivor that stops because another process was lost (EX_TEMPFAIL:
-the run can be resumed from its last checkpoint)."""
-
-
-_ALIVE = "redcoast/alive/"
-_LOST = "redcoast/lost/"
-_DONE = "done"
-# Error texts of a collective whose peer vanished (gloo over TCP, the coordination service).
-_TRANSPORT = re.compile(r"gloo|connection|socket|peer|unavailable|heartbeat", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,8 +324,7 @@ def initialize(
         initialization_timeout=300,
     )
     if watch:
-        _exit_fast_on_errors(config, timeout)
-        _watch_peers(config, timeout)
+        start_watchdog(config.process_id, config.num_processes, config.coordinator_address, timeout)
     if config.process_id == 0:
         print(
             f"redcoast: {config.num_processes} processes, coordinator "
@@ -364,147 +351,3 @@ def _check_backend_not_started(config: DistributedConfig) -> None:
             "started. Call rc.distributed.initialize() (or rc.make_mesh) at the top of the "
             "script, before any other JAX call."
         )
-
-
-def _names(ranks: Sequence[int]) -> str:
-    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {', '.join(map(str, ranks))}"
-
-
-def _stop(config: DistributedConfig, why: str, *, linger: float = 0.0) -> NoReturn:
-    """Say why on stderr, wait `linger` seconds, and end the process with `EXIT_PEER_LOST`."""
-    sys.stdout.flush()
-    sys.stderr.write(
-        f"redcoast: process {config.process_id} of {config.num_processes} is stopping "
-        f"(exit code {EXIT_PEER_LOST}): {why}\n"
-    )
-    sys.stderr.flush()
-    time.sleep(linger)
-    os._exit(EXIT_PEER_LOST)
-
-
-def _silent_peers(
-    entries: Sequence[tuple[str, str]],
-    seen: Mapping[int, tuple[str, float]],
-    now: float,
-    timeout: float,
-) -> tuple[list[int], dict[int, tuple[str, float]]]:
-    """Which peers have not advanced their heartbeat for `timeout` seconds.
-
-    Args:
-        entries: `(key, value)` pairs under `redcoast/alive/`, the value a counter
-            or `"done"` for a process that finished.
-        seen: for each watched rank, its last value and when (monotonic) it changed.
-        now: the current monotonic time.
-        timeout: seconds of silence that make a peer lost.
-
-    Returns:
-        The lost ranks (sorted) and the updated `seen`; finished ranks leave `seen`.
-    """
-    values = {int(key.rsplit("/", 1)[-1]): value for key, value in entries}
-    updated: dict[int, tuple[str, float]] = {}
-    for rank, (value, since) in seen.items():
-        current = values.get(rank, value)
-        if current == _DONE:
-            continue
-        updated[rank] = (value, since) if current == value else (current, now)
-    lost = sorted(r for r, (_, since) in updated.items() if now - since > timeout)
-    return lost, updated
-
-
-def _watch_peers(config: DistributedConfig, timeout: float) -> None:
-    """Start the heartbeat thread: every process beats, process 0 watches the others.
-
-    Process 0 alone reads every heartbeat (one request per interval, however many
-    hosts); when it declares peers lost it records them for the others, which
-    read that one key and stop naming them. A peer is declared lost between
-    `timeout` and `timeout + 2 * interval` after its last beat, and every survivor
-    has stopped `2 * interval` later: within 1.4 x `timeout` in all.
-    """
-    # jax.distributed keeps its client private; its key-value store is the one
-    # channel every process already shares with the coordinator.
-    client = coordination_client()
-    rank, n = config.process_id, config.num_processes
-    interval = min(5.0, max(0.2, timeout / 10))
-    stopping = threading.Event()
-    lock = threading.Lock()
-
-    def finish() -> None:
-        # A process that ends normally says so, so that the watcher does not take
-        # the end of its heartbeats for a death while the others still work.
-        with lock:
-            stopping.set()
-            with contextlib.suppress(Exception):
-                client.key_value_set(f"{_ALIVE}{rank}", _DONE, allow_overwrite=True)
-
-    def run() -> None:
-        start = time.monotonic()
-        seen = {r: ("", start) for r in range(1, n)}
-        for beat in itertools.count():
-            if stopping.wait(interval):
-                return
-            try:
-                with lock:
-                    if stopping.is_set():
-                        return
-                    client.key_value_set(f"{_ALIVE}{rank}", str(beat), allow_overwrite=True)
-                if rank == 0:
-                    lost, seen = _silent_peers(
-                        client.key_value_dir_get(_ALIVE), seen, time.monotonic(), timeout
-                    )
-                    for r in lost:
-                        client.key_value_set(f"{_LOST}{r}", "lost", allow_overwrite=True)
-                else:
-                    lost = sorted(
-                        int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(_LOST)
-                    )
-            except Exception as err:
-                if stopping.is_set():
-                    return
-                reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-                _stop(
-                    config,
-                    f"the coordination service on this process failed ({reason})."
-                    if rank == 0
-                    else f"process 0, the coordinator at {config.coordinator_address}, cannot "
-                    f"be reached ({reason}); it died or its host is unreachable. See its log.",
-                )
-            if lost and not stopping.is_set():
-                _stop(
-                    config,
-                    f"{_names(lost)} sent no heartbeat for {timeout:g} s: it died or hung "
-                    f"(see its log for why). Set {ENV_HEARTBEAT} to change how long to wait.",
-                    # Process 0 hosts the coordinator: while others survive, it stays
-                    # long enough for them to read the verdict before it goes away.
-                    linger=2 * interval if rank == 0 and len(lost) < n - 1 else 0.0,
-                )
-
-    atexit.register(finish)
-    threading.Thread(target=run, name="redcoast-heartbeat", daemon=True).start()
-
-
-def _exit_fast_on_errors(config: DistributedConfig, timeout: float) -> None:
-    """An uncaught exception ends this process at once, without the shutdown barrier.
-
-    A clean exit waits for every peer at JAX's shutdown barrier; peers blocked in a
-    collective with this process never arrive, so the failure would surface only
-    after the timeouts. Exiting at once lets the peers' heartbeat check see it.
-    When the error is a collective that lost its peer, the heartbeat thread gets
-    the time to name the lost process before this one exits.
-    """
-    previous = sys.excepthook
-
-    def hook(kind, value, tb) -> None:  # type: ignore[no-untyped-def]
-        previous(kind, value, tb)
-        if isinstance(value, jax.errors.JaxRuntimeError) and _TRANSPORT.search(str(value)):
-            sys.stderr.write(
-                f"redcoast: process {config.process_id} of {config.num_processes}: a "
-                "collective failed, most likely because another process died; waiting up "
-                f"to {1.4 * timeout:g} s for the heartbeat check to name it.\n"
-            )
-            sys.stderr.flush()
-            time.sleep(1.4 * timeout)  # the heartbeat thread exits the process first
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)
-
-    sys.excepthook = hook
