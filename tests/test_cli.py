@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 import redcoast as rc
-from redcoast import cli
+from redcoast import _examples
 from redcoast.cli import main
 
 
@@ -70,7 +70,7 @@ def test_an_example_missing_a_dependency_says_what_to_install(tmp_path, monkeypa
         '"""Needs a package."""\nimport not_a_real_package\n\n\ndef main(steps: int = 1) -> dict:\n'
         "    return {}\n"
     )
-    monkeypatch.setattr(cli, "_examples_dir", lambda: tmp_path)
+    monkeypatch.setattr(_examples, "examples_dir", lambda: tmp_path)
     result = CliRunner().invoke(main, ["run", "needs", "--steps", "2"])
     assert result.exit_code != 0
     assert "needs the package 'not_a_real_package'" in result.output
@@ -81,12 +81,12 @@ def test_main_signatures_the_cli_cannot_express_are_reported(tmp_path) -> None:
     path = tmp_path / "odd.py"
     path.write_text("def main(sizes: list[int] = [1]) -> dict:\n    return {}\n")
     with pytest.raises(click.ClickException, match="annotated 'list\\[int\\]'"):
-        cli._describe(path)
+        _examples.describe(path)
     path.write_text("def main(steps: int) -> dict:\n    return {}\n")
     with pytest.raises(click.ClickException, match="'steps' has no default"):
-        cli._describe(path)
+        _examples.describe(path)
 
 
 def test_arg_help_reads_google_style_args() -> None:
     doc = "Run.\n\nArgs:\n    a: first\n        and more.\n    b (int): second.\n\nReturns:\n    x"
-    assert cli._arg_help(doc) == {"a": "first and more.", "b": "second."}
+    assert _examples.arg_help(doc) == {"a": "first and more.", "b": "second."}

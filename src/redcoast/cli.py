@@ -1,20 +1,16 @@
 """The `redcoast` command: the demo, example runs, and sharding plans."""
 
-import ast
-import dataclasses
-import importlib.util
 import json
 import os
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import click
 
-from . import __version__
+from . import __version__, _examples
 from .planner import PRECISIONS, REMATS
 from .workdir import WorkdirInUseError
 
@@ -47,117 +43,7 @@ def _fresh_folder(parent: Path) -> str:
     return str(path)
 
 
-def _examples_dir() -> Path:
-    """`examples/` next to the package (installed wheel) or at the source tree's root."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "examples", here.parents[1] / "examples"):
-        if candidate.is_dir():
-            return candidate
-    raise click.ClickException(
-        "cannot find the examples folder; run from a redcoast source tree or install the wheel."
-    )
-
-
-def _example_names() -> list[str]:
-    return sorted(p.stem for p in _examples_dir().glob("*.py") if not p.stem.startswith("_"))
-
-
-def _load_example(name: str) -> ModuleType:
-    """Import `examples/<name>.py`; its folder goes on `sys.path` so examples can share code."""
-    folder = _examples_dir()
-    path = folder / f"{name}.py"
-    if not path.is_file():
-        raise click.ClickException(f"no example named {name!r}; choose one of {_example_names()}.")
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(f"redcoast_example_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    except ModuleNotFoundError as err:
-        raise click.ClickException(
-            f"example {name!r} needs the package {err.name!r}; install the examples' "
-            "dependencies with `pip install 'redcoast[examples]'`."
-        ) from err
-    return module
-
-
 # ----------------------------------------------------------------------------- redcoast run
-
-# `main`'s annotations, as written, and the click type of each.
-_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Option:
-    name: str
-    type: type
-    default: Any
-    help: str
-
-
-def _arg_help(docstring: str) -> dict[str, str]:
-    """The `Args:` section of a Google-style docstring, as `{name: text}`."""
-    lines = docstring.splitlines()
-    stripped = [line.strip() for line in lines]
-    if "Args:" not in stripped:
-        return {}
-    body = []
-    for line in lines[stripped.index("Args:") + 1 :]:
-        if line.strip() and not line.startswith(" "):  # the next section
-            break
-        if line.strip():
-            body.append(line)
-    if not body:
-        return {}
-    indent = min(len(line) - len(line.lstrip()) for line in body)
-    out: dict[str, str] = {}
-    name = ""
-    for line in body:
-        if len(line) - len(line.lstrip()) == indent:
-            head, _, text = line.strip().partition(":")
-            name = head.split()[0]
-            out[name] = text.strip()
-        else:
-            out[name] += " " + line.strip()
-    return out
-
-
-def _describe(path: Path) -> tuple[str, list[_Option]]:
-    """An example's docstring and its `main`'s keyword options, read without importing it.
-
-    Reading the source (not importing the module) keeps `--help` instant and leaves
-    JAX's backend unstarted, so `--devices` can still be applied.
-    """
-    tree = ast.parse(path.read_text(), filename=str(path))
-    doc = ast.get_docstring(tree) or ""
-    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
-    if not mains:
-        raise click.ClickException(f"{path} has no main(...) function to run.")
-    fn = mains[0]
-    args = fn.args.args + fn.args.kwonlyargs
-    defaults = [None] * (len(fn.args.args) - len(fn.args.defaults)) + list(fn.args.defaults)
-    defaults += list(fn.args.kw_defaults)
-    helps = _arg_help(ast.get_docstring(fn) or "")
-    options = []
-    for arg, default in zip(args, defaults, strict=True):
-        if default is None:
-            raise click.ClickException(
-                f"{path.name}: main's argument {arg.arg!r} has no default; every option of an "
-                "example needs one."
-            )
-        annotation = ast.unparse(arg.annotation) if arg.annotation else "str"
-        base = annotation.removesuffix(" | None")
-        if base not in _TYPES:
-            raise click.ClickException(
-                f"{path.name}: main's argument {arg.arg!r} is annotated {annotation!r}; "
-                f"options must be one of {sorted(_TYPES)} (or `... | None`)."
-            )
-        value = ast.literal_eval(default)
-        options.append(_Option(arg.arg, _TYPES[base], value, helps.get(arg.arg, "")))
-    return doc, options
 
 
 def _print_metrics(metrics: Mapping[str, Any]) -> None:
@@ -172,7 +58,7 @@ def _run_example(
 ) -> dict[str, Any]:
     """Start `devices` simulated devices, run the example's `main`, print its metrics."""
     _simulate_devices(devices)
-    module = _load_example(name)
+    module = _examples.load_example(name)
     try:
         metrics = module.main(**kwargs)
     # What redcoast raises for bad options, or for a workdir that holds another run.
@@ -186,7 +72,7 @@ def _run_example(
 
 
 def _example_command(name: str, path: Path) -> click.Command:
-    doc, options = _describe(path)
+    doc, options = _examples.describe(path)
     params: list[click.Parameter] = [
         click.Option(
             ["--devices"],
@@ -225,16 +111,14 @@ class _Examples(click.Group):
     """`redcoast run`: one subcommand per file in examples/, built from its `main`."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return _example_names()
+        return _examples.example_names()
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         name = cmd_name.replace("-", "_")
-        path = _examples_dir() / f"{name}.py"
+        path = _examples.examples_dir() / f"{name}.py"
         if name.startswith("_") or not path.is_file():
-            raise click.UsageError(
-                f"no example named {cmd_name!r}; choose one of {', '.join(_example_names())}.",
-                ctx,
-            )
+            known = ", ".join(_examples.example_names())
+            raise click.UsageError(f"no example named {cmd_name!r}; choose one of {known}.", ctx)
         return _example_command(name, path)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
