@@ -53,8 +53,11 @@ from ._placement import shard as shard
 from ._placement import sharding_tree as sharding_tree
 from ._sharding_plan import LeafPlan as LeafPlan
 from ._sharding_plan import ShardingPlan as ShardingPlan
-from ._tp_rules import COL, Decision, axis_spec, plan_dataflow, plan_declaration
+from ._tp_rules import COL as COL
 from ._tp_rules import COLLECTIVE_LATENCY_BYTES as COLLECTIVE_LATENCY_BYTES
+from ._tp_rules import REP as REP
+from ._tp_rules import ROW as ROW
+from ._tp_rules import Decision, axis_spec, plan_dataflow, plan_declaration
 from ._tree_paths import array_leaves
 from .mesh import DATA, MODEL
 
