@@ -93,7 +93,7 @@ def main(
     n_split = sum(any(e is not None for e in leaf.spec) for leaf in plan.leaves)
     print(report[0], f"{n_split} of {len(plan.leaves)} arrays split", sep="\n  ")
     print("  " + next(line for line in report if line.startswith("bytes per device")))
-    model = rc.shard(model, mesh, plan.specs)
+    model = rc.place(model, mesh, specs=plan.specs)
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max_steps // 10, max_steps)
     optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
     result = rc.fit(

@@ -139,7 +139,7 @@ def child(args: argparse.Namespace) -> None:
     ids = jnp.zeros((1, 8), jnp.int32)
     specs = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(ids))
     mesh = rc.make_mesh(4)
-    model = rc.shard(model, mesh, specs)
+    model = rc.place(model, mesh, specs=specs)
     leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
     flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
     root = Path(args.root)

@@ -244,7 +244,7 @@ def hand_layout(name: str, model: eqx.Module, n: int, x: object) -> object:
 
 def measure(model: eqx.Module, specs: object, n: int, x: object) -> dict[str, float]:
     mesh = rc.make_mesh(n)
-    sharded = rc.shard(model, mesh, specs)
+    sharded = rc.place(model, mesh, specs=specs)
     params, static = eqx.partition(sharded, eqx.is_inexact_array)
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
 

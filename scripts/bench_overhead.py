@@ -94,7 +94,7 @@ def time_hand(examples: list[np.ndarray], mesh: Mesh, batch: int, warmup: int, s
         mesh.shape["model"],
         example_call=lambda m: loss_fn(m, collate_fn(examples[:2]), None),
     )
-    model = rc.shard(model, mesh, specs)
+    model = rc.place(model, mesh, specs=specs)
     optimizer = optax.adamw(1e-3)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     core = rc.train_step(loss_fn, optimizer, mesh=mesh, jit=False)

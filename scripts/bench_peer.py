@@ -327,7 +327,7 @@ def redcoast_row(mesh: Mesh, ids: np.ndarray, *, fsdp: bool) -> Row:
         example_call=lambda m: zoo_loss(m, batch, None),
         fsdp=n_data if fsdp else 1,
     )
-    model = rc.shard(model, mesh, plan.specs)
+    model = rc.place(model, mesh, specs=plan.specs)
     opt = optax.adamw(LR)
     opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
     train: Any = rc.train_step(zoo_loss, opt, mesh=mesh)

@@ -42,7 +42,7 @@ def assert_tree_equal(a: object, b: object) -> None:
 def saved(tmp_path: Path) -> tuple[Path, TinyGPT, object]:
     model = make()
     mesh = rc.make_mesh(4)  # 2 x 4
-    sharded = rc.shard(model, mesh, specs_for(model, 4))
+    sharded = rc.place(model, mesh, specs=specs_for(model, 4))
     opt = optax.adam(1e-3)
     opt_state = jax.jit(opt.init)(eqx.filter(sharded, eqx.is_inexact_array))
     path = rc.save_checkpoint(

@@ -166,7 +166,7 @@ def test_sharded_train_step_equals_unsharded(arch: str) -> None:
     key = jax.random.key(0)
     mesh = rc.make_mesh(4)  # 2 x 4
     specs = rc.sharding_rules(model, 4, example_call=lambda m: loss_fn(m, batch, key))
-    sharded = rc.shard(model, mesh, specs)
+    sharded = rc.place(model, mesh, specs=specs)
     optimizer = optax.sgd(0.5)
     # Jitted here without donation: the unsharded model is shared with other tests, and
     # placing it may alias its buffers.

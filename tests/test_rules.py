@@ -245,7 +245,7 @@ def test_sharded_equals_unsharded(name: str) -> None:
     want = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, x)
     mesh = rc.make_mesh(n)
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
-    got = eqx.filter_jit(eqx.filter_value_and_grad(loss))(rc.shard(model, mesh, specs), xs)
+    got = eqx.filter_jit(eqx.filter_value_and_grad(loss))(rc.place(model, mesh, specs=specs), xs)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 

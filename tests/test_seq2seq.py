@@ -361,7 +361,7 @@ def test_sharded_train_step_equals_unsharded(arch: str) -> None:
     key = jax.random.key(0)
     mesh = rc.make_mesh(4)  # 2 x 4
     specs = rc.sharding_rules(model, 4, example_call=lambda m: loss_fn(m, BATCH, key))
-    sharded = rc.shard(model, mesh, specs)
+    sharded = rc.place(model, mesh, specs=specs)
     optimizer = optax.sgd(0.5)
     step = eqx.filter_jit(rc.train_step(loss_fn, optimizer, jit=False))
     results = []

@@ -204,7 +204,7 @@ def test_sharded_loss_and_grads_equal_unsharded(name: str, n: int) -> None:
     want_loss, want_grads = value_and_grad(model, x)
     mesh = rc.make_mesh(n)
     specs = rc.sharding_rules(model, n, example_call=lambda m: jax.vmap(m)(x))
-    sharded = rc.shard(model, mesh, specs)
+    sharded = rc.place(model, mesh, specs=specs)
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     got_loss, got_grads = value_and_grad(sharded, xs)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
@@ -214,7 +214,7 @@ def test_sharded_loss_and_grads_equal_unsharded(name: str, n: int) -> None:
 def model_axis_traffic(model: eqx.Module, specs: object, n: int, x: Array) -> dict[str, int]:
     """Bytes and counts of the model axis's collectives in a compiled gradient step."""
     mesh = rc.make_mesh(n)
-    sharded = rc.shard(model, mesh, specs)
+    sharded = rc.place(model, mesh, specs=specs)
     params, static = eqx.partition(sharded, eqx.is_inexact_array)
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     fn = jax.jit(lambda p, x: jax.grad(lambda p: loss(eqx.combine(p, static), x))(p))
@@ -247,7 +247,7 @@ def test_shard_places_every_leaf_with_its_spec() -> None:
     model = MODELS["gpt"]()
     mesh = rc.make_mesh(4)
     specs = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(IDS))
-    sharded = rc.shard(model, mesh, specs)
+    sharded = rc.place(model, mesh, specs=specs)
     for leaf, spec in zip(leaves(eqx.filter(sharded, eqx.is_array)), leaves(specs), strict=True):
         assert isinstance(leaf, jax.Array)
         assert leaf.sharding == NamedSharding(mesh, spec)
@@ -270,7 +270,7 @@ def test_report_names_every_leaf_and_the_bytes() -> None:
     given = rc.sharding_report(model, plan.specs, n_model_shards=4)
     assert "given" in given and str(plan.bytes_per_device // 1024) in given.replace(",", "")
     assert rc.sharding_report(model, plan) == text
-    sharded = rc.shard(model, rc.make_mesh(4), plan)
+    sharded = rc.place(model, rc.make_mesh(4), specs=plan)
     assert rc.sharding_report(sharded, plan.specs) == given
 
 
@@ -303,7 +303,7 @@ def test_a_model_with_no_arrays_is_an_error() -> None:
 def test_a_spec_tree_that_does_not_match_is_an_error() -> None:
     gpt, mlp = MODELS["gpt"](), MODELS["mlp"]()
     with pytest.raises(ValueError, match="spec tree does not match"):
-        rc.shard(gpt, rc.make_mesh(2), rc.sharding_rules(mlp, 2))
+        rc.place(gpt, rc.make_mesh(2), specs=rc.sharding_rules(mlp, 2))
 
 
 def test_bad_specs_are_errors_naming_the_leaf() -> None:
@@ -313,7 +313,7 @@ def test_bad_specs_are_errors_naming_the_leaf() -> None:
         lambda s: s.layers[0].weight, specs, P("modle"), is_leaf=lambda x: isinstance(x, P)
     )
     with pytest.raises(ValueError, match=r"layers.0.weight.*names axis 'modle'"):
-        rc.shard(model, rc.make_mesh(2), bad)
+        rc.place(model, rc.make_mesh(2), specs=bad)
 
 
 def test_more_shards_than_any_dimension_falls_back_and_reports() -> None:

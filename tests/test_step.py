@@ -32,7 +32,7 @@ def loss_fn(model, batch, key):
 
 def _place(model, mesh):
     specs = jax.tree.map(lambda _: P(), eqx.filter(model, eqx.is_array))
-    return rc.shard(model, mesh, specs)
+    return rc.place(model, mesh, specs=specs)
 
 
 def _global(batch, mesh):
