@@ -39,7 +39,6 @@ from .planner import plan as plan
 from .precision import cast as cast
 from .rematerialisation import remat as remat
 from .sharding import ShardingPlan as ShardingPlan
-from .sharding import shard as shard
 from .sharding import sharding_plan as sharding_plan
 from .sharding import sharding_report as sharding_report
 from .sharding import sharding_rules as sharding_rules

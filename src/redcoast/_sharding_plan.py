@@ -1,6 +1,6 @@
 """A sharding plan as a value: a `PartitionSpec` and a reason for every array.
 
-`ShardingPlan` is what `sharding_plan` returns and what `shard` takes; `str(plan)`
+`ShardingPlan` is what `sharding_plan` returns and what `place(..., specs=)` takes; `str(plan)`
 is the report: path, shape, spec and why for every array, the bytes each device
 holds, and a note for every fallback, default or guess.
 """
@@ -39,7 +39,7 @@ class ShardingPlan:
     """A `PartitionSpec` for every array of a model, with the reason for each.
 
     `specs` has the structure of `eqx.filter(model, eqx.is_array)` and is what
-    `shard` takes. `str(plan)` is a readable report. `fsdp` is the number of data
+    `place(..., specs=)` takes. `str(plan)` is a readable report. `fsdp` is the number of data
     shards the weights are also split over (1: none).
     """
 

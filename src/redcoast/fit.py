@@ -284,39 +284,45 @@ def _one_live_run(fit: Callable[_P, FitResult]) -> Callable[_P, FitResult]:
     return holding
 
 
-# Over 80 lines: 26 of them are the signature, and the body is one sequence (options,
-# placement, resume, the step, the hooks, the loop) that reads best in one place.
+# Over 60 lines: the body is one sequence (options, placement, resume, the step, the
+# hooks, the loop) that reads best in one place. The signature groups the options as
+# the Args below do.
 @_one_live_run
 def fit(
     model: PyTree,
     optimizer: optax.GradientTransformation,
     train_examples: Examples | Callable[[int], Examples],
     *,
+    # What one step computes.
     collate_fn: CollateFn,
     loss_fn: LossFn,
-    mesh: Mesh | None = None,
     per_device_batch_size: int,
+    accumulate_grad_batches: int = 1,
+    trainable: Trainable = None,
+    precision: str = "fp32",
+    on_nonfinite: Literal["raise", "skip"] = "raise",
+    # How long.
     n_epochs: int | None = None,
     max_steps: int | None = None,
-    accumulate_grad_batches: int = 1,
-    evaluation: Evaluation | None = None,
+    # Where: the devices, the split, and whose arrays.
+    mesh: Mesh | None = None,
+    fsdp: bool = False,
+    data_parallel: Literal["jit", "shard_map"] = "jit",
+    opt_state: PyTree | None = None,
+    donate: bool = False,
+    seed: int = 0,
+    # The run's folder: evaluation, checkpoints, resuming.
     workdir: str | os.PathLike[str] | None = None,
+    evaluation: Evaluation | None = None,
     checkpointing: Checkpointing | None = None,
     resume: bool = False,
     overwrite: bool = False,
-    seed: int = 0,
-    hooks: Sequence[Hook] = (),
+    # What it reports, and what else runs between steps.
+    log_every: int = 10,
     loggers: Sequence[Logger] = (),
     progress: bool = True,
-    log_every: int = 10,
-    on_nonfinite: Literal["raise", "skip"] = "raise",
-    opt_state: PyTree | None = None,
-    donate: bool = False,
     schedule: Callable[[Any], Any] | None = None,
-    fsdp: bool = False,
-    precision: str = "fp32",
-    data_parallel: Literal["jit", "shard_map"] = "jit",
-    trainable: Trainable = None,
+    hooks: Sequence[Hook] = (),
 ) -> FitResult:
     """Train `model` on `train_examples` with data and tensor parallelism over `mesh`.
 
@@ -368,54 +374,54 @@ def fit(
         train_examples: a sequence, or `epoch -> sequence` (same on every process).
         collate_fn: `(examples: list) -> dict[str, np.ndarray]`.
         loss_fn: `(model, batch, key) -> loss` or `(loss, dict_of_scalars)`.
-        mesh: from `make_mesh`; defaults to the model's mesh, else `make_mesh(1)`.
         per_device_batch_size: rows per data-parallel device per micro-batch.
-        n_epochs: epochs to run; at least one of `n_epochs` and `max_steps`.
-        max_steps: optimizer steps to run (stops mid-epoch if reached).
         accumulate_grad_batches: micro-batches per optimizer step.
-        evaluation: what to evaluate on and when (`Evaluation`).
-        workdir: the run's folder, written by process 0.
-        checkpointing: when to save `step_*` checkpoints (`Checkpointing`); needs a
-            workdir, where the default is `Checkpointing()` (after the last step).
-        resume: continue from the newest checkpoint in `workdir/ckpts`, if any.
-        overwrite: delete another run's checkpoints and logs found in `workdir`.
-        seed: the one seed for shuffling and the step keys.
-        hooks: `Hook`s (e.g. `every(n, fn)`) run after the built-in logging and
-            evaluation, before checkpointing; a hook may return the state to go on
-            with (setting `stop` ends the run after a checkpoint). In a
-            multi-process run every process must take the same decisions.
-        loggers: callables `(metrics, step) -> None`, called on process 0.
-        progress: show a progress bar on process 0, and one line at the end: steps,
-            seconds and the last logged metrics.
-        log_every: fetch metrics from the devices and log every this many steps (and
-            at epoch ends, evaluations and checkpoints).
-        on_nonfinite: the step checks the loss, the gradient norm and the updated
-            parameters. `"raise"` stops with an error naming the first step where
-            one was not finite, within `log_every + 1` steps and before any
-            checkpoint of it is written; `"skip"` leaves the model and optimizer
-            state unchanged on such steps and counts them in `skipped`.
-        opt_state: an optimizer state to continue from; `optimizer.init` otherwise.
-        donate: hand `model` (and `opt_state`) over: their arrays are used in place,
-            or deleted once placed elsewhere, never copied; use `FitResult.model`
-            afterwards. For a model that fills the devices, e.g. from `sharded_init`.
-        schedule: `count -> lr`, to log the learning rate.
-        fsdp: when `fit` places the model, split its weights over the data axis as
-            well (ZeRO-3: parameters, gradients and optimizer state divided by every
-            device; see `sharding_plan`). A model already on `mesh` (from
-            `sharded_init`, say) keeps its layout.
-        precision: `"fp32"`, `"bf16"` (float32 master weights, bfloat16 compute) or
-            `"pure-bf16"` (the model is cast to bfloat16 before `optimizer.init`); see
-            `train_step`. Evaluation runs in the same precision.
-        data_parallel: `"jit"` (XLA partitions the global step; any mesh) or
-            `"shard_map"` (an explicit per-device step with the gradients averaged
-            over `"data"`; the model is replicated, so the mesh has one model shard
-            and `fsdp` is off); see `train_step`.
         trainable: which arrays train (see `rc.trainable_mask`): `None` for every
             floating-point array, or a pytree of bools, a predicate on leaves, or
             path globs such as `"*.q_proj.*"`; `rc.lora.trainable(model)` selects a
             LoRA model's adapters. Frozen arrays get no gradient, optimizer state or
             update, and come back bit-identical; they may be stored in a lower
             precision than the trainable ones (`rc.cast` them before `fit`).
+        precision: `"fp32"`, `"bf16"` (float32 master weights, bfloat16 compute) or
+            `"pure-bf16"` (the model is cast to bfloat16 before `optimizer.init`); see
+            `train_step`. Evaluation runs in the same precision.
+        on_nonfinite: the step checks the loss, the gradient norm and the updated
+            parameters. `"raise"` stops with an error naming the first step where
+            one was not finite, within `log_every + 1` steps and before any
+            checkpoint of it is written; `"skip"` leaves the model and optimizer
+            state unchanged on such steps and counts them in `skipped`.
+        n_epochs: epochs to run; at least one of `n_epochs` and `max_steps`.
+        max_steps: optimizer steps to run (stops mid-epoch if reached).
+        mesh: from `make_mesh`; defaults to the model's mesh, else `make_mesh(1)`.
+        fsdp: when `fit` places the model, split its weights over the data axis as
+            well (ZeRO-3: parameters, gradients and optimizer state divided by every
+            device; see `sharding_plan`). A model already on `mesh` (from
+            `sharded_init`, say) keeps its layout.
+        data_parallel: `"jit"` (XLA partitions the global step; any mesh) or
+            `"shard_map"` (an explicit per-device step with the gradients averaged
+            over `"data"`; the model is replicated, so the mesh has one model shard
+            and `fsdp` is off); see `train_step`.
+        opt_state: an optimizer state to continue from; `optimizer.init` otherwise.
+        donate: hand `model` (and `opt_state`) over: their arrays are used in place,
+            or deleted once placed elsewhere, never copied; use `FitResult.model`
+            afterwards. For a model that fills the devices, e.g. from `sharded_init`.
+        seed: the one seed for shuffling and the step keys.
+        workdir: the run's folder, written by process 0.
+        evaluation: what to evaluate on and when (`Evaluation`).
+        checkpointing: when to save `step_*` checkpoints (`Checkpointing`); needs a
+            workdir, where the default is `Checkpointing()` (after the last step).
+        resume: continue from the newest checkpoint in `workdir/ckpts`, if any.
+        overwrite: delete another run's checkpoints and logs found in `workdir`.
+        log_every: fetch metrics from the devices and log every this many steps (and
+            at epoch ends, evaluations and checkpoints).
+        loggers: callables `(metrics, step) -> None`, called on process 0.
+        progress: show a progress bar on process 0, and one line at the end: steps,
+            seconds and the last logged metrics.
+        schedule: `count -> lr`, to log the learning rate.
+        hooks: `Hook`s (e.g. `every(n, fn)`) run after the built-in logging and
+            evaluation, before checkpointing; a hook may return the state to go on
+            with (setting `stop` ends the run after a checkpoint). In a
+            multi-process run every process must take the same decisions.
 
     Returns:
         A `FitResult` with `model`, `opt_state`, `step`, `history` and `stopped_by`.

@@ -5,7 +5,7 @@ partitioner may meet them by gathering the *activations* over the data axis
 (less traffic when the batch is small), which makes every device hold the whole
 batch's activations -- the opposite of what FSDP is for. So a zoo model records
 how its weights are stored (`FSDPModule.fsdp_layout`, a static field that
-`rc.place`, `rc.shard`, `rc.sharded_init`, `from_hf` and `rc.load_checkpoint`
+`rc.place`, `rc.sharded_init`, `from_hf` and `rc.load_checkpoint`
 fill in from where they put each array), and its forward pass gathers each
 data-split weight where it uses it (`gather`), one layer at a time under
 `lax.scan`. Gathered weights are named `GATHERED` so that remat policies

@@ -29,7 +29,7 @@ fallback, default or guess is listed as a note at the end of the plan.
 Here the plan is put together: overrides, the rules' decisions (`_tp_rules.py`, on
 what `_model_structure.py` reads from the modules), FSDP's data axis and the
 reason for every leaf. The plan's type and report are in `_sharding_plan.py`;
-placing arrays by their specs, `shard` included, in `_placement.py`.
+placing arrays by their specs in `_placement.py` (`rc.place` is the public way in).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from ._model_structure import ModelInfo, model_info
 from ._placement import abstract_arrays as abstract_arrays
 from ._placement import check_spec, spec_leaves
 from ._placement import optimizer_specs as optimizer_specs
-from ._placement import shard as shard
 from ._placement import sharding_tree as sharding_tree
 from ._sharding_plan import LeafPlan as LeafPlan
 from ._sharding_plan import ShardingPlan as ShardingPlan
@@ -66,7 +65,6 @@ __all__ = [
     "ShardingPlan",
     "abstract_arrays",
     "optimizer_specs",
-    "shard",
     "sharding_plan",
     "sharding_report",
     "sharding_rules",
@@ -112,12 +110,12 @@ def sharding_plan(
             1 for none.
 
     Returns:
-        A `ShardingPlan`; `.specs` is what `shard` takes and `str(plan)` a report.
+        A `ShardingPlan`; `.specs` is what `place(..., specs=)` takes and `str(plan)` a report.
 
     Example:
         >>> plan = sharding_plan(model, 2, example_call=lambda m: jax.vmap(m)(x))
         >>> print(plan)   # path, shape, spec and why for every array
-        >>> model = shard(model, make_mesh(2), plan.specs)
+        >>> model = place(model, make_mesh(2), specs=plan.specs)
     """
     _check_n(n_model_shards)
     _check_n(fsdp, "fsdp")
@@ -279,11 +277,11 @@ def sharding_rules(
 
     Returns:
         A pytree shaped like `eqx.filter(model, eqx.is_array)` with a `PartitionSpec`
-        on every array leaf, ready for `shard(model, mesh, specs)`.
+        on every array leaf, ready for `place(model, mesh, specs=specs)`.
 
     Example:
         >>> specs = sharding_rules(model, 2, example_call=lambda m: jax.vmap(m)(x))
-        >>> model = shard(model, make_mesh(2), specs)
+        >>> model = place(model, make_mesh(2), specs=specs)
     """
     return sharding_plan(
         model, n_model_shards, example_call=example_call, overrides=overrides, fsdp=fsdp
