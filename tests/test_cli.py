@@ -1,6 +1,7 @@
 """The `redcoast` command line."""
 
 import click
+import jax
 import pytest
 from click.testing import CliRunner
 
@@ -41,6 +42,7 @@ def test_example_options_come_from_its_main() -> None:
 
 
 def test_run_mistakes_are_one_line_errors(tmp_path) -> None:
+    jax.devices()  # JAX has started, whichever tests ran before: --devices 3 must refuse
     for args, message in [
         (["run", "resnet"], "no example named 'resnet'; choose one of"),
         (["run", "maml", "--max-steps", "many"], "'many' is not a valid integer"),
