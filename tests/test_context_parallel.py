@@ -74,10 +74,25 @@ def value_and_grads(fn, q, k, v, cotangent):
     return out, grads
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padding"])
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+# One case of each strategy runs with the fast tests; the whole grid with nox -s slow.
+_FAST = {("ring", True, True, 4), ("all_gather", True, True, 2)}
+_GRID = [
+    pytest.param(
+        strategy,
+        padded,
+        causal,
+        n,
+        id=f"{strategy}-{'padding' if padded else 'no-mask'}-{'causal' if causal else 'full'}-{n}",
+        marks=() if (strategy, padded, causal, n) in _FAST else pytest.mark.slow,
+    )
+    for strategy in ("ring", "all_gather")
+    for padded in (False, True)
+    for causal in (False, True)
+    for n in (2, 4, 8)
+]
+
+
+@pytest.mark.parametrize(("strategy", "padded", "causal", "n"), _GRID)
 def test_split_attention_and_its_gradients_equal_the_unsplit(n, causal, padded, strategy):
     q, k, v, cotangent = inputs()
     mask = padding(2, 32) if padded else None
@@ -96,6 +111,7 @@ def test_split_attention_and_its_gradients_equal_the_unsplit(n, causal, padded, 
     assert got[0].sharding.spec == P(None, "seq")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_vmapped_unbatched_inputs_and_several_batch_dims(causal):
     q, k, v, cotangent = inputs(batch=(2, 3), seq=16)
@@ -121,7 +137,7 @@ def test_vmapped_unbatched_inputs_and_several_batch_dims(causal):
     assert_same(grads(one, q[0], k[0], v[0]), grads(zoo, q[0], k[0], v[0]))
 
 
-@pytest.mark.parametrize("axis", ["model", "data"])
+@pytest.mark.parametrize("axis", ["model", pytest.param("data", marks=pytest.mark.slow)])
 def test_sequence_split_over_an_axis_of_redcoasts_mesh_keeps_the_batch_split_on_the_other(axis):
     mesh = rc.make_mesh(n_model_shards=2)  # data 4 x model 2
     other = "data" if axis == "model" else "model"
@@ -168,6 +184,7 @@ def test_drop_in_for_the_zoo_attention_with_rotary_positions_and_grouped_heads()
     assert_same(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_cross_attention_to_a_sequence_of_another_length_with_a_given_scale(strategy):
     q, k, v, cotangent = inputs(seq=16, kv_seq=40, heads=2, kv_heads=2)
@@ -184,6 +201,7 @@ def test_cross_attention_to_a_sequence_of_another_length_with_a_given_scale(stra
     assert_same(got, value_and_grads(reference, q, k, v, cotangent))
 
 
+@pytest.mark.slow
 def test_integer_mask_and_bfloat16_inputs():
     q, k, v, _ = inputs(seq=32)
     mask = padding(2, 32).astype(jnp.int32)
@@ -225,6 +243,7 @@ def test_the_ring_passes_blocks_to_its_neighbour_and_gathers_nothing():
     assert "all-gather" in {c.op for c in gathered}
 
 
+@pytest.mark.slow
 def test_the_ring_keeps_a_fraction_of_the_memory_gathering_needs():
     temp = {
         (strategy, n): compiled_training_pass(strategy, n, 1024)[1]
