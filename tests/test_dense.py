@@ -1,12 +1,12 @@
 """`layers.dense` and `layers.normalise`: the zoo's Linear and norm applications.
 
-`dense` replaces `jax.vmap(linear)` with a matmul whose weight gradient is written
-`g^T x` over the tokens flattened into one axis and which, under `jax.vmap`,
-computes one weight gradient for the batch; `normalise` replaces `jax.vmap(norm)`
-with a closed-form gradient. Their values and gradients must equal the vmapped
-modules' in every composition, and the compiled step must not recompute the
-residual stream's gradient inside other fusions (what both custom gradients are
-for).
+`dense` replaces `jax.vmap(linear)` with one `dot_general` over the tokens flattened
+into one axis, so that its weight gradient contracts that one axis; `normalise`
+replaces `jax.vmap(norm)` with a closed-form gradient. Their values and gradients
+must equal the vmapped modules' in every composition, `dense` must be public JAX
+alone (no custom rule that a transformation could meet in the wrong order), and the
+compiled step must not recompute the residual stream's gradient inside other
+fusions (what both are for).
 """
 
 import re
@@ -64,6 +64,65 @@ def test_per_example_gradients_and_vmapped_weights() -> None:
     got = eqx.filter_vmap(dense)(layers, X)
     want = eqx.filter_vmap(plain)(layers, X)
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def matmul(lin: eqx.nn.Linear, x: jax.Array) -> jax.Array:
+    """The plain matmul `dense` stands for."""
+    return x @ lin.weight.T + lin.bias
+
+
+def per_example_grads(f, lin: eqx.nn.Linear, x: jax.Array) -> eqx.nn.Linear:
+    return jax.vmap(lambda s: jax.grad(lambda m: jnp.sin(f(m, s)).sum())(lin))(x)
+
+
+def batch_grads(f, lin: eqx.nn.Linear, x: jax.Array) -> eqx.nn.Linear:
+    return jax.grad(lambda m: jnp.sin(jax.vmap(lambda s: f(m, s))(x)).sum())(lin)
+
+
+@pytest.mark.parametrize("order", ["vmap(grad)", "grad(vmap)"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_gradients_equal_the_plain_matmuls_in_either_order(order: str, jit: bool) -> None:
+    grads = per_example_grads if order == "vmap(grad)" else batch_grads
+    run = (lambda f: eqx.filter_jit(grads)(f, LIN, X)) if jit else (lambda f: grads(f, LIN, X))
+    chex.assert_trees_all_close(run(dense), run(matmul), rtol=1e-5, atol=1e-6)
+    if order == "vmap(grad)":  # one gradient per example, not the batch's sum
+        assert run(dense).weight.shape == (X.shape[0], *LIN.weight.shape)
+
+
+def test_second_derivatives_equal_the_plain_matmuls() -> None:
+    def curvature(f):
+        def weight_gradient_norm(x):
+            return (batch_grads(f, LIN, x).weight ** 2).sum()
+
+        return jax.grad(weight_gradient_norm)(X)
+
+    np.testing.assert_allclose(curvature(dense), curvature(matmul), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_is_one_dot_general_over_flattened_tokens() -> None:
+    """No custom rule (custom_vjp, custom_vmap) and no private JAX: a `dot_general`
+    that JAX's own transformations handle in any order, whose weight gradient
+    contracts a single (flattened) token axis."""
+    x = X.reshape(2, 2, 5, 3)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda m: dense(m, x).sum()))(LIN)
+    prims = {e.primitive.name for e in jaxpr.eqns}
+    assert not {p for p in prims if p.startswith("custom")}, prims
+    contractions = [
+        e.params["dimension_numbers"][0] for e in jaxpr.eqns if e.primitive.name == "dot_general"
+    ]
+    assert len(contractions) == 2, contractions  # the output, and the weight gradient
+    assert all(len(lhs) == len(rhs) == 1 for lhs, rhs in contractions), contractions
+
+
+def test_gradients_keep_each_primals_dtype() -> None:
+    """A float32 adapter reading bfloat16 hidden states (LoRA on a frozen bfloat16
+    base): the product promotes, each gradient stays in its primal's dtype."""
+    x = X.astype(jnp.bfloat16)
+    y = dense(LIN, x)
+    assert y.dtype == jnp.float32
+    gx, glin = jax.grad(lambda x, m: dense(m, x).sum(), argnums=(0, 1))(x, LIN)
+    assert gx.dtype == jnp.bfloat16
+    assert glin.weight.dtype == jnp.float32
 
 
 NORMS = {

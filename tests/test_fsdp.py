@@ -188,6 +188,101 @@ def test_a_step_jitted_by_plain_jax_jit_gathers_as_redcoasts_own_step(scan_layer
     assert rc.place(want_model, mesh).fsdp_layout == model.fsdp_layout
 
 
+SEQ2SEQ = {
+    "t5": lambda scan_layers: rc.models.T5(
+        rc.models.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+        scan_layers=scan_layers,
+        key=jax.random.key(0),
+    ),
+    "bart": lambda scan_layers: rc.models.BART(
+        rc.models.BARTConfig(
+            vocab_size=128,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=32,
+        ),
+        scan_layers=scan_layers,
+        key=jax.random.key(0),
+    ),
+}
+SEQ2SEQ_BATCH = {
+    "src": IDS[:, :12],
+    "mask": jnp.asarray(np.arange(12)[None, :] < np.arange(5, 13)[:, None], jnp.int32),
+    "tgt": IDS[:, 8:],
+}
+
+
+def seq2seq_loss(model: rc.models.AbstractSeq2SeqLM, batch: dict, key: jax.Array) -> jax.Array:
+    logits = jax.vmap(lambda s, a, t: model(s, t, attention_mask=a))(
+        batch["src"], batch["mask"], batch["tgt"][:, :-1]
+    )
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tgt"][:, 1:]).mean()
+
+
+@pytest.mark.parametrize(
+    ("arch", "scan_layers"),
+    [("t5", True), ("bart", True), pytest.param("bart", False, marks=pytest.mark.slow)],
+    ids=["t5-scan", "bart-scan", "bart-unrolled"],
+)
+def test_encoder_decoders_gather_their_embeddings_as_the_decoders_do(
+    arch: str, scan_layers: bool
+) -> None:
+    """T5's and BART's embeddings, position tables, norms and head outside the layer
+    stacks are gathered where used: no activation, token id or label crosses the data
+    axis, and the step equals the unsharded one."""
+    mesh = rc.make_mesh(1)  # 8 data shards: every weight split over the data axis
+    batch = jax.device_put(SEQ2SEQ_BATCH, NamedSharding(mesh, P("data")))
+    key = jax.random.key(0)
+    whole = SEQ2SEQ[arch](scan_layers)
+    model = rc.place(
+        SEQ2SEQ[arch](scan_layers),
+        mesh,
+        example_call=lambda m: seq2seq_loss(m, batch, key),
+        fsdp=True,
+    )
+    assert all("data" in str(spec) for spec in specs_of(model))
+    optimizer = optax.sgd(0.5, momentum=0.9)
+    core = rc.train_step(seq2seq_loss, optimizer, mesh=mesh, jit=False)
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def run(p, s, b, k):
+        m, s, metrics = core(eqx.combine(p, static), s, b, k)
+        return eqx.filter(m, eqx.is_array), s, metrics
+
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    compiled = jax.jit(run).lower(params, state, batch, key).compile()
+
+    # Every all-gather over the data axis rebuilds a weight (one layer's slice of a
+    # stacked one), the token embedding and the position tables among them.
+    shapes = [x.shape for x in arrays(model)]
+    weights = set(shapes) | {shape[1:] for shape in shapes}
+    gathered = data_all_gathers(compiled.as_text(), mesh)
+    assert all(c.dims and set(c.dims) <= weights for c in gathered), [
+        (c.shape, c.source) for c in gathered if not set(c.dims) <= weights
+    ]
+    positions = [
+        getattr(model, name).weight.shape
+        for name in ("encoder_position_bias", "encoder_positions")
+        if hasattr(model, name)
+    ]
+    assert {model.embed_tokens.weight.shape, *positions} <= {d for c in gathered for d in c.dims}
+
+    step = rc.train_step(seq2seq_loss, optimizer)
+    want_state = optimizer.init(eqx.filter(whole, eqx.is_inexact_array))
+    for i in range(2):
+        params, state, got = compiled(params, state, batch, jax.random.key(i))
+        whole, want_state, want = step(whole, want_state, SEQ2SEQ_BATCH, jax.random.key(i))
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    for g, w in zip(arrays(params), arrays(whole), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert specs_of(params) == specs_of(model)  # the step keeps the layout
+
+
 @pytest.mark.slow
 def test_a_model_placed_without_redcoast_gathers_nothing() -> None:
     """Weights split over the data axis by jax.device_put alone: XLA's partitioner decides."""

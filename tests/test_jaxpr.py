@@ -26,7 +26,7 @@ from redcoast import _jaxpr
 from redcoast._dataflow import RULES, trace_dataflow
 from redcoast._jaxpr import UnknownLayout
 from redcoast.fsdp import GATHERED, remat_policy
-from redcoast.models.layers import dense
+from redcoast.models.layers import dense, normalise
 
 X = jnp.ones((3, 8))
 W = jnp.ones((8, 8))
@@ -115,10 +115,20 @@ def test_every_call_primitive_jax_exports_is_known() -> None:
     assert _jaxpr.called_jaxpr(eqn) is inner
 
 
-def test_zoo_projection_is_a_custom_vjp_call_the_walk_follows() -> None:
-    layer = eqx.nn.Linear(8, 8, key=jax.random.key(0))
-    eqn = eqn_of("custom_vjp_call", lambda x: dense(layer, x), X)
-    assert [_jaxpr.name(e) for e in _jaxpr.called_jaxpr(eqn).eqns] == ["dot_general"]
+def test_zoo_norm_is_a_custom_vjp_call_the_walk_follows() -> None:
+    norm = eqx.nn.LayerNorm(8)
+    eqn = eqn_of("custom_vjp_call", lambda x: normalise(norm, x), X)
+    assert "rsqrt" in [_jaxpr.name(e) for e in _jaxpr.called_jaxpr(eqn).eqns]
+
+
+def test_zoo_projection_is_a_dot_general_of_the_weight() -> None:
+    """What the rules read as a Linear: a `dot_general` whose operand is the weight."""
+    layer = eqx.nn.Linear(8, 8, use_bias=False, key=jax.random.key(0))
+    jaxpr = jax.make_jaxpr(lambda w, x: dense(eqx.tree_at(lambda m: m.weight, layer, w), x))
+    closed = jaxpr(W, X).jaxpr
+    dots = [e for e in closed.eqns if _jaxpr.name(e) in _jaxpr.DOT_GENERAL]
+    assert len(dots) == 1 and dots[0].invars[1] is closed.invars[0], closed
+    assert _jaxpr.dot_dimensions(dots[0]) == (((1,), (1,)), ((), ()))
 
 
 def test_dot_general() -> None:

@@ -2,11 +2,11 @@
 
 Each private name is looked up when first needed, not at import, so a JAX release
 that moves one cannot stop `import redcoast`: where redcoast can do without it
-(`batched_by_current_vmap`, `backends_are_initialized`) it falls back to the
-public behaviour, and where it cannot (`coordination_client`) it raises an error
-naming the missing name. `PRIVATE_NAMES` lists them all; `tests/test_jax_private.py`
-checks each against the installed JAX, so a release that moves one fails that test
-by name instead of quietly costing speed or a clear error somewhere else.
+(`backends_are_initialized`) it falls back to the public behaviour, and where it
+cannot (`coordination_client`) it raises an error naming the missing name.
+`PRIVATE_NAMES` lists them all; `tests/test_jax_private.py` checks each against the
+installed JAX, so a release that moves one fails that test by name instead of
+quietly costing a clear error somewhere else. No model's forward pass reads any.
 
 Jaxpr equations are public objects with unstable params; they are read in
 `_jaxpr.py`, not here.
@@ -19,15 +19,11 @@ from typing import Any
 __all__ = [
     "PRIVATE_NAMES",
     "backends_are_initialized",
-    "batched_by_current_vmap",
     "coordination_client",
     "private",
 ]
 
 PRIVATE_NAMES: tuple[str, ...] = (
-    "jax._src.core.trace_ctx",
-    "jax._src.interpreters.batching.BatchTrace",
-    "jax._src.interpreters.batching.BatchTracer",
     "jax._src.xla_bridge.backends_are_initialized",
     "jax._src.distributed.global_state",
 )
@@ -66,33 +62,6 @@ def _require(dotted: str, needed_for: str) -> Any:
             "(see its pyproject.toml) or a redcoast that knows this JAX release."
         )
     return found
-
-
-def batched_by_current_vmap(x: Any) -> bool:
-    """Whether `x` is being batched by the innermost transformation, a `jax.vmap`.
-
-    True inside `jax.vmap(f)` for an `x` that carries the mapped axis; False outside
-    any vmap, for values the vmap does not map, and inside a transformation nested
-    within the vmap (e.g. `jax.grad` under `jax.vmap`), where `x` belongs to that
-    inner transformation. False too on a JAX without the private names it reads:
-    callers then take their unbatched path, which is always correct.
-
-    Args:
-        x: any value.
-
-    Returns:
-        Whether a primitive applied to `x` now is batched by the current vmap.
-
-    Example:
-        >>> jax.vmap(lambda x: batched_by_current_vmap(x) or x)(jnp.ones((2, 3)))
-    """
-    trace_ctx = private("jax._src.core.trace_ctx")
-    batch_trace = private("jax._src.interpreters.batching.BatchTrace")
-    batch_tracer = private("jax._src.interpreters.batching.BatchTracer")
-    if trace_ctx is None or batch_trace is None or batch_tracer is None:
-        return False
-    trace = trace_ctx.trace
-    return isinstance(trace, batch_trace) and isinstance(x, batch_tracer) and x._trace is trace
 
 
 def backends_are_initialized() -> bool:

@@ -23,8 +23,8 @@ RematPolicy = Literal["none", "dots", "full"]
 REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "full")
 
 PROJECTION = "projection"
-"""The `checkpoint_name` of a projection's output (`layers.dense`), which `"dots"` keeps:
-its matmul sits inside a custom gradient, where the dot policy cannot see it."""
+"""The `checkpoint_name` of a projection's output (`layers.dense`), which `"dots"` keeps
+by name: the output itself, after the reshape that restores its token axes."""
 
 _F = TypeVar("_F", bound=Callable[..., object])
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .. import fsdp
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
@@ -185,12 +186,17 @@ class BART(AbstractSeq2SeqLM):
     def _embed(
         self, ids: Int[Array, " seq"], positions: Int[Array, " seq"], decoder: bool
     ) -> Float[Array, "seq hidden"]:
-        x = jax.vmap(self.embed_tokens)(ids)
+        use = fsdp.layouts(self)
+        x = jax.vmap(fsdp.gather(self.embed_tokens, use.embed_tokens))(ids)
         if self.config.scale_embedding:
             x = x * math.sqrt(self.config.d_model)
-        table = self.decoder_positions if decoder else self.encoder_positions
-        x = x + jax.vmap(table)(positions + POSITION_OFFSET)
-        return normalise(self.decoder_embed_norm if decoder else self.encoder_embed_norm, x)
+        if decoder:
+            table = fsdp.gather(self.decoder_positions, use.decoder_positions)
+            norm = fsdp.gather(self.decoder_embed_norm, use.decoder_embed_norm)
+        else:
+            table = fsdp.gather(self.encoder_positions, use.encoder_positions)
+            norm = fsdp.gather(self.encoder_embed_norm, use.encoder_embed_norm)
+        return normalise(norm, x + jax.vmap(table)(positions + POSITION_OFFSET))
 
     def _final(self, x: Float[Array, "seq hidden"], decoder: bool) -> Float[Array, "seq hidden"]:
         return x  # post-norm blocks end normed
@@ -199,7 +205,9 @@ class BART(AbstractSeq2SeqLM):
         return None
 
     def _head(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
-        return x @ self.embed_tokens.weight.T + self.final_logits_bias
+        use = fsdp.layouts(self)
+        table = fsdp.gather(self.embed_tokens, use.embed_tokens)
+        return x @ table.weight.T + fsdp.gather(self.final_logits_bias, use.final_logits_bias)
 
     @classmethod
     def hf_tensors(cls, config: BARTConfig) -> list[hf.TensorMap]:

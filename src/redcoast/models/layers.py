@@ -14,7 +14,7 @@ a second norm, GPT-J's parallel `x + attn(h) + mlp(h)`. Attention has a cached p
 import abc
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -24,7 +24,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 
-from .._jax_private import batched_by_current_vmap
 from ..rematerialisation import PROJECTION
 from .checks import check_range
 
@@ -70,52 +69,6 @@ def activation(name: str) -> Callable[[Array], Array]:
     return ACTIVATIONS[name]
 
 
-def _contract_features(x: Array, weight: Array) -> Array:
-    """`x @ weight.T` for a weight `(out, in)`: the tokens lead the output."""
-    return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
-
-
-@jax.custom_vjp
-def _matmul(x: Array, weight: Array) -> Array:
-    return _contract_features(x, weight)
-
-
-def _matmul_fwd(x: Array, weight: Array) -> tuple[Array, tuple[Array, Array]]:
-    return _contract_features(x, weight), (x, weight)
-
-
-def _matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
-    x, weight = res
-    dx = jax.lax.dot_general(g, weight, (((g.ndim - 1,), (0,)), ((), ())))
-    # `g^T x` with the tokens flattened into one axis: see `dense`.
-    rows = (((0,), (0,)), ((), ()))
-    dw = jax.lax.dot_general(g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]), rows)
-    # Each cotangent in its primal's dtype: a float32 adapter reading bfloat16 hidden
-    # states (LoRA on a frozen bfloat16 base) promotes the product, not the input.
-    return dx.astype(x.dtype), dw.astype(weight.dtype)
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-
-@jax.custom_batching.custom_vmap
-def _batched_matmul(x: Array, weight: Array) -> Array:
-    return _matmul(x, weight)
-
-
-@_batched_matmul.def_vmap
-def _batched_matmul_vmap(
-    axis_size: int, in_batched: Sequence[bool], x: Array, weight: Array
-) -> tuple[Array, bool]:
-    del axis_size
-    x_batched, weight_batched = in_batched
-    if weight_batched:  # a vmapped model: no shared weight to take one gradient of
-        in_axes = (0 if x_batched else None, 0)
-        return jax.vmap(_contract_features, in_axes=in_axes)(x, weight), True
-    # The batch joins the token axes of one matmul, and of its weight gradient.
-    return _matmul(x, weight), x_batched
-
-
 class AbstractProjection(eqx.Module):
     """A module that stands where a block has a Linear, wrapping one (`base`).
 
@@ -134,20 +87,17 @@ class AbstractProjection(eqx.Module):
 def dense(
     layer: eqx.nn.Linear | AbstractProjection, x: Float[Array, "*tokens in"]
 ) -> Float[Array, "*tokens out"]:
-    """`layer` on every row of `x`: `jax.vmap(layer)(x)` as one matmul, with a leaner gradient.
+    """`layer` on every row of `x`: `jax.vmap(layer)(x)` as one matmul over the rows.
 
-    `jax.grad` writes a Linear's weight gradient as `g^T x` (`g` the output's
-    gradient) contracting every token axis, `(batch, seq)` under `jax.vmap`. XLA's
-    CPU matmuls take one contracting axis, so XLA first copies `g` (or `x`)
-    transposed into a `(features, tokens)` matrix, and into that copy it fuses the
-    elementwise work that produces the operand: the GELU before `fc_out`, or the
-    sum of every later layer's term that makes the residual stream's gradient,
-    recomputed there with strided reads. Here the weight gradient is `g^T x` with
-    the tokens flattened into one axis first (a free reshape), a matmul that reads
-    both operands as they lie and writes the gradient in the weight's `(out, in)`
-    layout; and under `jax.vmap` (a batch of sequences) the batch joins the token
-    axes, so one matmul computes the batch's weight gradient rather than one per
-    example summed afterwards.
+    The token axes are flattened into one before the matmul (a free reshape), so
+    `jax.grad` writes the weight gradient as `g^T x` (`g` the output's gradient)
+    contracting that one axis: a matmul XLA:CPU runs on both operands as they lie.
+    Contracting several token axes instead makes XLA first copy `g` (or `x`)
+    transposed into a `(features, tokens)` matrix, and fuse into that copy the
+    elementwise work that produces it. Under `jax.vmap` the batch axis is a second
+    contracting axis of the batch's weight gradient, which XLA meets with such a
+    copy; only JAX's own transformations of a `dot_general` are involved, so `dense`
+    composes with every `jax.vmap`, `jax.grad` and `jax.jit`, to any order.
 
     Args:
         layer: the Linear (weight `(out, in)`, optional bias `(out,)`), or a module
@@ -164,11 +114,10 @@ def dense(
     """
     if isinstance(layer, AbstractProjection):
         return layer.over_tokens(x)
-    # `custom_vmap` only where the current vmap batches `x`: its rule then replaces
-    # it, whereas reaching `jax.grad` unbatched it could not be differentiated.
-    matmul = _batched_matmul if batched_by_current_vmap(x) else _matmul
-    # Named, so that remat's "dots" policy keeps it (the matmul is out of its sight).
-    y = checkpoint_name(matmul(x, layer.weight), PROJECTION)
+    rows = x.reshape(-1, x.shape[-1])
+    y = jax.lax.dot_general(rows, layer.weight, (((1,), (1,)), ((), ())))
+    # Named, so that remat's "dots" policy keeps the output by name (`PROJECTION`).
+    y = checkpoint_name(y.reshape(*x.shape[:-1], y.shape[-1]), PROJECTION)
     return y if layer.bias is None else y + layer.bias
 
 

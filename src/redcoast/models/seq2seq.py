@@ -220,6 +220,11 @@ class AbstractSeq2SeqLM(hf.HFModel, fsdp.FSDPModule):
     values once, and `decode` feeds new target tokens through a key/value cache.
     Concrete models: `T5`, `BART`.
 
+    Under FSDP (`fsdp_layout`) each weight is gathered where it is used, as in the
+    decoders (`redcoast.fsdp`): the layers' by `run_stack`, one layer at a time, and
+    the embeddings, position tables, final norms and head by the architecture's
+    `_embed`, `_bias`, `_final` and `_head`.
+
     Attributes:
         embed_tokens: the token embeddings, shared by encoder, decoder (and a tied head).
         encoder_blocks: the encoder layers.

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .. import fsdp
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
@@ -225,10 +226,14 @@ class T5(AbstractSeq2SeqLM):
     def _embed(
         self, ids: Int[Array, " seq"], positions: Int[Array, " seq"], decoder: bool
     ) -> Float[Array, "seq hidden"]:
-        return jax.vmap(self.embed_tokens)(ids)
+        use = fsdp.layouts(self)
+        return jax.vmap(fsdp.gather(self.embed_tokens, use.embed_tokens))(ids)
 
     def _final(self, x: Float[Array, "seq hidden"], decoder: bool) -> Float[Array, "seq hidden"]:
-        return normalise(self.decoder_norm if decoder else self.encoder_norm, x)
+        use = fsdp.layouts(self)
+        if decoder:
+            return normalise(fsdp.gather(self.decoder_norm, use.decoder_norm), x)
+        return normalise(fsdp.gather(self.encoder_norm, use.encoder_norm), x)
 
     def _bias(
         self, queries: Int[Array, " seq"], keys: Int[Array, " kv"], decoder: bool
@@ -240,15 +245,20 @@ class T5(AbstractSeq2SeqLM):
             num_buckets=c.relative_attention_num_buckets,
             max_distance=c.relative_attention_max_distance,
         )
-        table = (self.decoder_position_bias if decoder else self.encoder_position_bias).weight
-        return jnp.transpose(table[buckets], (2, 0, 1))
+        use = fsdp.layouts(self)
+        if decoder:
+            table = fsdp.gather(self.decoder_position_bias, use.decoder_position_bias)
+        else:
+            table = fsdp.gather(self.encoder_position_bias, use.encoder_position_bias)
+        return jnp.transpose(table.weight[buckets], (2, 0, 1))
 
     def _head(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
         if self.config.scale_decoder_outputs:
             x = x * self.config.d_model**-0.5
+        use = fsdp.layouts(self)
         if self.lm_head is not None:
-            return jax.vmap(self.lm_head)(x)
-        return x @ self.embed_tokens.weight.T
+            return jax.vmap(fsdp.gather(self.lm_head, use.lm_head))(x)
+        return x @ fsdp.gather(self.embed_tokens, use.embed_tokens).weight.T
 
     @classmethod
     def hf_tensors(cls, config: T5Config) -> list[hf.TensorMap]:
