@@ -226,7 +226,11 @@ def seq2seq_loss(model: rc.models.AbstractSeq2SeqLM, batch: dict, key: jax.Array
 
 @pytest.mark.parametrize(
     ("arch", "scan_layers"),
-    [("t5", True), ("bart", True), pytest.param("bart", False, marks=pytest.mark.slow)],
+    [
+        ("t5", True),
+        pytest.param("bart", True, marks=pytest.mark.slow),
+        pytest.param("bart", False, marks=pytest.mark.slow),
+    ],
     ids=["t5-scan", "bart-scan", "bart-unrolled"],
 )
 def test_encoder_decoders_gather_their_embeddings_as_the_decoders_do(

@@ -153,6 +153,7 @@ WIDE = rc.models.LlamaConfig(
 )
 
 
+@pytest.mark.slow  # the CLI's LoRA plan below is its fast sibling
 def test_a_lora_plan_keeps_optimizer_state_for_the_adapters_only() -> None:
     full = rc.plan(WIDE, devices=1, seq_len=16, max_batch=False)
     lora = rc.plan(WIDE, devices=1, seq_len=16, max_batch=False, lora_rank=2)
