@@ -2,7 +2,7 @@
 
 A GPT-2-shaped model (width 512, 8 heads, vocabulary 8192, 128 tokens) with 4, 16
 and 64 layers; the AdamW train step is compiled for a 4 x 2 mesh on abstract shapes
-(`rc.plan`, nothing allocated). With `scan_layers=True` (what `rc.plan` and the
+(`rc.memory_plan`, nothing allocated). With `scan_layers=True` (what `rc.memory_plan` and the
 presets use) one layer is compiled whatever the depth; unrolled, every layer is.
 Median of 3 compiles, after one warm-up compile.
 
@@ -37,7 +37,7 @@ def main() -> None:
         )
         make = lambda k: rc.models.GPT2(config, scan_layers=scan, key=k)  # noqa: E731
         runs = [
-            rc.plan(make, devices=8, n_model_shards=2, seq_len=128, max_batch=False)
+            rc.memory_plan(make, devices=8, n_model_shards=2, seq_len=128, max_batch=False)
             for _ in range(3)
         ]
         return statistics.median(r.compile_seconds for r in runs)

@@ -37,7 +37,7 @@ def child(row: str, model: str, n_model: int, seq_len: int, steps: int) -> dict[
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if row == "plan":
-        plan = rc.plan(model, devices=8, n_model_shards=n_model, fsdp=True, seq_len=seq_len)
+        plan = rc.memory_plan(model, devices=8, n_model_shards=n_model, fsdp=True, seq_len=seq_len)
         return {
             "peak": plan.peak,
             "peak_keeping_model": plan.peak_keeping_model,

@@ -1,6 +1,6 @@
 """Per-device memory of a ~1B-parameter model's train step under each layout, from XLA.
 
-`rc.plan` compiles the AdamW train step of the zoo's `llama-1b` preset (1.24B
+`rc.memory_plan` compiles the AdamW train step of the zoo's `llama-1b` preset (1.24B
 parameters, scanned layers; 1024 tokens, one sequence per device) for 8 simulated
 devices on abstract shapes and reads `memory_analysis()`. Each row is a layout:
 tensor parallelism only, FSDP only, both, then with bf16 compute and with remat.
@@ -52,7 +52,7 @@ def main() -> None:
     )
     print("|" + "---|" * 9)
     for name, n_model, fsdp, precision, remat in LAYOUTS:
-        r = rc.plan(
+        r = rc.memory_plan(
             MODEL,
             devices=8,
             n_model_shards=n_model,

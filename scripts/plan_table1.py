@@ -1,7 +1,7 @@
 """The paper's Table 1, row by row: can redcoast fine-tune each model on that hardware?
 
 RedCoast (Tan et al. 2023, Table 1) fine-tunes these models in fp32 with AdamW. For
-each row `rc.plan(..., search=True)` compiles the real train step on abstract shapes
+each row `rc.memory_plan(..., search=True)` compiles the real train step on abstract shapes
 for that many simulated devices and reports the cheapest layout that fits each
 device's memory (no remat before dots before full; fewer model shards first; plain
 data parallelism before FSDP), with XLA's peak per device. A last row asks what
@@ -47,7 +47,7 @@ def main() -> None:
     print("|" + "---|" * 8)
     for model, seq, hardware, devices, gib in ROWS:
         start = time.perf_counter()
-        result = rc.plan(
+        result = rc.memory_plan(
             model, devices=devices, seq_len=seq, device_memory=f"{gib}GiB", search=True
         )
         seconds = time.perf_counter() - start

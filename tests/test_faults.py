@@ -1051,14 +1051,14 @@ def test_plan_refuses_a_bare_number_of_bytes_and_an_unwritable_json_before_compi
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with pytest.raises(ValueError, match=r"device memory '40' has no unit; write 40GB, 40GiB"):
-        rc.plan("gpt2", devices=8, device_memory="40")
+        rc.memory_plan("gpt2", devices=8, device_memory="40")
     assert parse_bytes("40GB") == 40 * 10**9 and parse_bytes("40B") == 40
     assert parse_bytes(40) == 40  # an int is bytes already, in Python
 
     def compile_nothing(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("planned (compiled) before checking the options")
 
-    monkeypatch.setattr(planner, "plan", compile_nothing)
+    monkeypatch.setattr(planner, "memory_plan", compile_nothing)
     for target, message in [
         (tmp_path, r"is a folder; name a file in it"),
         (tmp_path / "missing" / "plan.json", r"folder .*missing does not exist"),

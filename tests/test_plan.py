@@ -30,7 +30,7 @@ def lm_loss(model: rc.models.AbstractCausalLM, batch: dict, key: jax.Array) -> j
 @pytest.mark.slow
 @pytest.mark.parametrize(("n_model", "use_fsdp"), [(2, False), (2, True)], ids=["tp", "tp-fsdp"])
 def test_the_planners_peak_is_the_real_compiled_steps(n_model: int, use_fsdp: bool) -> None:
-    planned = rc.plan(
+    planned = rc.memory_plan(
         SMALL,
         devices=8,
         n_model_shards=n_model,
@@ -71,14 +71,16 @@ def test_the_planners_peak_is_the_real_compiled_steps(n_model: int, use_fsdp: bo
 @pytest.mark.slow
 def test_verdicts_follow_arithmetic() -> None:
     # LLaMA-7B in fp32 with AdamW needs 16 bytes a parameter: 108 GB on one 40 GB device.
-    alone = rc.plan("llama-7b", devices=1, seq_len=128, device_memory="40GB", max_batch=False)
+    alone = rc.memory_plan(
+        "llama-7b", devices=1, seq_len=128, device_memory="40GB", max_batch=False
+    )
     assert alone.fits is False
     assert alone.params + alone.opt_state >= 12 * alone.n_params
     assert "does not fit" in str(alone)
-    small = rc.plan(SMALL, devices=8, n_model_shards=2, seq_len=32, device_memory="1GB")
+    small = rc.memory_plan(SMALL, devices=8, n_model_shards=2, seq_len=32, device_memory="1GB")
     assert small.fits is True
     assert small.max_batch is not None and small.max_batch > 1
-    bigger = rc.plan(
+    bigger = rc.memory_plan(
         SMALL,
         devices=8,
         n_model_shards=2,
@@ -92,9 +94,9 @@ def test_verdicts_follow_arithmetic() -> None:
 
 @pytest.mark.slow
 def test_search_finds_a_layout_that_fits_where_the_given_one_does_not() -> None:
-    given = rc.plan(SMALL, devices=8, seq_len=32, max_batch=False)
+    given = rc.memory_plan(SMALL, devices=8, seq_len=32, max_batch=False)
     budget = int(given.peak * 0.6)
-    found = rc.plan(
+    found = rc.memory_plan(
         SMALL, devices=8, seq_len=32, device_memory=budget, search=True, max_batch=False
     )
     assert found.fits
@@ -116,7 +118,7 @@ def test_search_finds_a_layout_that_fits_where_the_given_one_does_not() -> None:
 )
 def test_layouts_that_cannot_work_get_one_clear_line(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        rc.plan(**kwargs)
+        rc.memory_plan(**kwargs)
 
 
 @pytest.mark.slow
@@ -155,13 +157,13 @@ WIDE = rc.models.LlamaConfig(
 
 @pytest.mark.slow  # the CLI's LoRA plan below is its fast sibling
 def test_a_lora_plan_keeps_optimizer_state_for_the_adapters_only() -> None:
-    full = rc.plan(WIDE, devices=1, seq_len=16, max_batch=False)
-    lora = rc.plan(WIDE, devices=1, seq_len=16, max_batch=False, lora_rank=2)
+    full = rc.memory_plan(WIDE, devices=1, seq_len=16, max_batch=False)
+    lora = rc.memory_plan(WIDE, devices=1, seq_len=16, max_batch=False, lora_rank=2)
     assert lora.opt_state <= 0.02 * full.opt_state, (lora.opt_state, full.opt_state)
     assert lora.gradients <= 0.02 * full.gradients
     # Frozen weights in bfloat16 by default: about half the parameter bytes of fp32.
     assert lora.params < 0.52 * full.params
-    as_fp32 = rc.plan(
+    as_fp32 = rc.memory_plan(
         WIDE, devices=1, seq_len=16, max_batch=False, lora_rank=2, frozen_dtype="fp32"
     )
     assert as_fp32.params > full.params  # every fp32 weight plus the adapters

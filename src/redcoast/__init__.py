@@ -36,7 +36,7 @@ from .mesh import make_mesh as make_mesh
 from .place import place as place
 from .place import sharded_init as sharded_init
 from .planner import MemoryPlan as MemoryPlan
-from .planner import plan as plan
+from .planner import memory_plan as memory_plan
 from .precision import cast as cast
 from .rematerialisation import remat as remat
 from .sharding import ShardingPlan as ShardingPlan

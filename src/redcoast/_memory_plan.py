@@ -1,4 +1,4 @@
-"""What `plan` reports: the layout measured, per-device bytes and the verdict."""
+"""What `memory_plan` reports: the layout measured, per-device bytes and the verdict."""
 
 from __future__ import annotations
 

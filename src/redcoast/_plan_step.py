@@ -1,4 +1,4 @@
-"""The train step `plan` measures: built as `fit` runs it, on abstract shapes, compiled.
+"""The train step `memory_plan` measures: built as `fit` runs it, on abstract shapes, compiled.
 
 The zoo model is built with `eqx.filter_eval_shape`, placed by the sharding plan
 (tensor parallelism, FSDP), given LoRA adapters and an AdamW state when asked,

@@ -251,7 +251,7 @@ def plan(
     from . import planner
 
     try:
-        result = planner.plan(
+        result = planner.memory_plan(
             model,
             devices=devices,
             n_model_shards=n_model_shards,

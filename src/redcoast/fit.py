@@ -337,7 +337,7 @@ def fit(
     first, so `model` stays usable after `fit` (for another `fit`, or to evaluate the
     starting point) at the cost of one more copy of the parameters for the run.
     `donate=True` hands them over instead: no copy is made and the arrays given
-    are deleted, so the run holds one copy of the model, as `rc.plan` counts.
+    are deleted, so the run holds one copy of the model, as `rc.memory_plan` counts.
 
     A `workdir` belongs to one run. There, `metrics.jsonl` gets the logged records,
     `eval/step_XXXXXXXX.json` each evaluation's metrics and outputs, and `ckpts/`

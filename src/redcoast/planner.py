@@ -1,6 +1,6 @@
 """Will it fit? The real train step, compiled on abstract shapes, measured by XLA.
 
-`plan` builds a zoo model's AdamW train step exactly as `fit` runs it -- the
+`memory_plan` builds a zoo model's AdamW train step exactly as `fit` runs it -- the
 sharding plan (tensor parallelism, FSDP), the precision and remat policies, the
 global batch split over the data axis -- on `jax.ShapeDtypeStruct`s, so nothing
 is allocated, compiles it for the requested devices, and reads per-device bytes
@@ -112,7 +112,7 @@ def _factory(cls: type[Any], config: HFConfig, remat: str) -> Callable[[PRNGKeyA
 def sharding_plan_of(
     model: str | HFConfig, layout: Layout, lora: LoRA | None = None
 ) -> ShardingPlan:
-    """The `ShardingPlan` `plan` uses for a preset or config under `layout` (with the
+    """The `ShardingPlan` `memory_plan` uses for a preset or config under `layout` (with the
     adapters of `lora`, a `MemoryPlan.lora`)."""
     _, cls, config = _resolve(model)
     make = _factory(cls, config, layout.remat)
@@ -241,7 +241,7 @@ def _floor(n_params: int, layout: Layout, lora: LoRA | None = None) -> float:
     return n_params * (4 * master) / ways
 
 
-def plan(
+def memory_plan(
     model: str | HFConfig | Callable[[PRNGKeyArray], Any],
     *,
     devices: int,
@@ -296,7 +296,7 @@ def plan(
             message says which and what would.
 
     Example:
-        >>> print(rc.plan("llama-7b", devices=4, n_model_shards=4, seq_len=1024,
+        >>> print(rc.memory_plan("llama-7b", devices=4, n_model_shards=4, seq_len=1024,
         ...               remat="full", device_memory="40GB"))
     """
     budget = None if device_memory is None else parse_bytes(device_memory)

@@ -3,7 +3,7 @@ BART and T5 (the original T5 1.0: `t5-xxl` is the 11B model).
 
 `preset("llama-7b")` gives the class and config of that model, as its
 `config.json` on the Hugging Face hub has them, so a model can be planned
-(`rc.plan`) or built (`sharded_init`) by name without downloading anything.
+(`rc.memory_plan`) or built (`sharded_init`) by name without downloading anything.
 """
 
 from __future__ import annotations
