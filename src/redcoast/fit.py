@@ -186,7 +186,16 @@ def _check_options(
     *,
     resume: bool,
     overwrite: bool,
+    precision: str,
+    data_parallel: str,
+    fsdp: bool,
 ) -> None:
+    check_precision(precision)
+    if data_parallel == "shard_map" and fsdp:
+        raise ValueError(
+            "data_parallel='shard_map' keeps a whole copy of the model on every device, "
+            "and fsdp=True splits it over the data axis: use one or the other."
+        )
     if n_epochs is None and max_steps is None:
         raise ValueError("fit needs n_epochs or max_steps (or both) to know when to stop.")
     check_positive("n_epochs", n_epochs)
@@ -202,6 +211,16 @@ def _check_options(
         ):
             if value:
                 raise ValueError(f"{name} needs a workdir to keep checkpoints in; pass workdir=.")
+
+
+def _hand_over(state: LoopState, given: tuple[Any, Any], donate: bool) -> LoopState:
+    """The state the step may donate: the caller's own buffers only when handed over."""
+    if donate:
+        release(given, keep=(state.model, state.opt_state))
+        return state
+    return dataclasses.replace(
+        state, model=own_copy(state.model, given), opt_state=own_copy(state.opt_state, given)
+    )
 
 
 def _epochs(
@@ -437,13 +456,8 @@ def fit(
     """
     started = time.perf_counter()
     options = (n_epochs, max_steps, log_every, on_nonfinite, workdir, checkpointing)
-    _check_options(*options, resume=resume, overwrite=overwrite)
-    check_precision(precision)
-    if data_parallel == "shard_map" and fsdp:
-        raise ValueError(
-            "data_parallel='shard_map' keeps a whole copy of the model on every device, "
-            "and fsdp=True splits it over the data axis: use one or the other."
-        )
+    how = {"precision": precision, "data_parallel": data_parallel, "fsdp": fsdp}
+    _check_options(*options, resume=resume, overwrite=overwrite, **how)
     mesh = mesh or model_mesh(model) or make_mesh(1)
     size = global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches)
     root = None if workdir is None else os.fspath(workdir)
@@ -467,14 +481,7 @@ def fit(
     history: dict[str, Any] = {"train": [], "eval": []}
     if resume:
         state, history = _resume(run, state)
-    # The step donates what it is given: the caller's own buffers only when handed over.
-    given = (model, opt_state)
-    if donate:
-        release(given, keep=(state.model, state.opt_state))
-    else:
-        state = dataclasses.replace(
-            state, model=own_copy(state.model, given), opt_state=own_copy(state.opt_state, given)
-        )
+    state = _hand_over(state, (model, opt_state), donate)
     core = train_step(
         loss_fn,
         optimizer,
