@@ -6,10 +6,15 @@ A policy says what a wrapped function keeps for the backward pass:
 - `"dots"`: only matmul outputs without batch dimensions -- a transformer block's
   projections, not its attention scores -- and recomputes the rest;
 - `"full"`: nothing but its inputs; the whole function runs again in the backward
-  pass.
+  pass;
+- `"attention"`: everything but attention's scores, softmax and weighted sum,
+  which are recomputed from the queries, keys and values (Korthikanti et al.
+  2022's selective recomputation: the activations that grow with the square of the
+  sequence, for a few percent more compute).
 
-The zoo's decoder blocks take the policy as their model's `remat` field; a user's
-own model opts in by wrapping its block call with `remat`.
+The zoo's blocks take the policy as their model's `remat` field; a user's own
+model opts in by wrapping its block call with `remat`, and for `"attention"` its
+score computation with `remat(..., "full")`.
 """
 
 from collections.abc import Callable
@@ -18,9 +23,9 @@ from typing import Literal, TypeVar
 import equinox as eqx
 import jax
 
-RematPolicy = Literal["none", "dots", "full"]
+RematPolicy = Literal["none", "dots", "full", "attention"]
 """What a rematerialised function keeps for the backward pass (see the module docstring)."""
-REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "full")
+REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "full", "attention")
 
 PROJECTION = "projection"
 """The `checkpoint_name` of a projection's output (`layers.dense`), which `"dots"` keeps
@@ -39,7 +44,7 @@ def check_remat(policy: object) -> RematPolicy:
         The policy.
 
     Raises:
-        ValueError: `policy` is not one of `"none"`, `"dots"`, `"full"`.
+        ValueError: `policy` is not one of `REMAT_POLICIES`.
 
     Example:
         >>> check_remat("dots")
@@ -49,7 +54,7 @@ def check_remat(policy: object) -> RematPolicy:
         raise ValueError(
             f"remat must be one of {', '.join(map(repr, REMAT_POLICIES))}; got {policy!r}. "
             "'full' recomputes each block in the backward pass, 'dots' keeps its matmul "
-            "outputs, 'none' keeps everything."
+            "outputs, 'attention' all but attention's scores, 'none' keeps everything."
         )
     return policy  # type: ignore[return-value]
 
@@ -68,7 +73,9 @@ def remat(fn: _F, policy: str) -> _F:
         policy: `"none"` returns `fn` itself; `"dots"` saves matmul outputs without
             batch dimensions (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)
             and outputs named `PROJECTION` (the zoo's projections, `layers.dense`);
-            `"full"` saves nothing inside `fn`.
+            `"full"` saves nothing inside `fn`; `"attention"` returns `fn` itself,
+            since only the zoo's attention knows its score region (its models
+            recompute it there).
 
     Returns:
         The wrapped function, same signature and results as `fn`.
@@ -82,7 +89,7 @@ def remat(fn: _F, policy: str) -> _F:
         ...     x = block_fn(block, x)
     """
     check_remat(policy)
-    if policy == "none":
+    if policy in ("none", "attention"):
         return fn
     saveable = (
         jax.checkpoint_policies.save_from_both_policies(

@@ -4,7 +4,8 @@ A stack is a tuple of layers, or one layer whose arrays carry a leading layer ax
 (built with `eqx.filter_vmap`), run under `lax.scan` so that a deep model compiles
 one layer instead of all of them; the sharding rules follow the scan and split
 every stacked weight on its last two axes. Each layer runs under the model's
-rematerialisation policy, and under FSDP its weights are gathered where it runs,
+rematerialisation policy (under `"attention"`, its attention layers recompute
+their scores), and under FSDP its weights are gathered where it runs,
 one layer at a time (`redcoast.fsdp`).
 """
 
@@ -17,6 +18,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .. import fsdp
 from ..rematerialisation import remat
+from .layers import recompute_scores
 
 _Layer = TypeVar("_Layer", bound=eqx.Module)
 
@@ -52,7 +54,7 @@ def make_stack(
 def _under_policy(fn: Callable[..., Any], policy: str, gathering: bool) -> Callable[..., Any]:
     # While gathering, even "none" recomputes the gathered weights in the backward
     # pass instead of keeping every layer's whole copy.
-    if gathering and policy == "none":
+    if gathering and policy in ("none", "attention"):
         return eqx.filter_checkpoint(fn, policy=fsdp.remat_policy())
     return remat(fn, policy)
 
@@ -80,6 +82,8 @@ def run_stack(
     Returns:
         The last layer's hidden states and the layers' outputs (a tuple, or stacked).
     """
+    if policy == "attention":  # each layer's attention recomputes its score region
+        layers, use = recompute_scores(layers), recompute_scores(use)
     if not isinstance(layers, tuple):
         params, static = eqx.partition(layers, eqx.is_array)
 

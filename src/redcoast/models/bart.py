@@ -89,8 +89,8 @@ class BART(AbstractSeq2SeqLM):
     Args:
         config: the hyperparameters.
         scan_layers: stack each stack's layers and run them with `lax.scan`.
-        remat: rematerialise each layer in the backward pass: `"none"`, `"dots"`
-            or `"full"` (see `rc.remat`).
+        remat: rematerialise each layer in the backward pass: `"none"`, `"dots"`,
+            `"attention"` or `"full"` (see `rc.remat`).
         key: for the random initialisation.
 
     Example:

@@ -40,8 +40,8 @@ class AbstractCausalLM(hf.HFModel, fsdp.FSDPModule):
 
     Every concrete model also has a static `config`, its hyperparameters named as in
     the model's Hugging Face config.json, and a static `remat`: the rematerialisation
-    policy of each block in the training forward pass (`"none"`, `"dots"`, `"full"`;
-    see `rc.remat`).
+    policy of each block in the training forward pass (`"none"`, `"dots"`,
+    `"attention"`, `"full"`; see `rc.remat`).
 
     The models follow their parameters' dtype: in bfloat16 the matmuls run in
     bfloat16 while norms and the attention softmax compute in float32, and the

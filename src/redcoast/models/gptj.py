@@ -68,7 +68,8 @@ class GPTJ(AbstractCausalLM):
         config: the hyperparameters.
         scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
         remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
-            (keep the projections' outputs) or `"full"` (see `rc.remat`).
+            (keep the projections' outputs), `"attention"` (all but attention's scores)
+            or `"full"` (see `rc.remat`).
         key: for the random initialisation, as `transformers`': weights and embeddings
             N(0, `initializer_range`), zero biases.
 

@@ -142,8 +142,8 @@ class LoadOptions(TypedDict, total=False):
             this (Megatron-LM's `128 * n_model_shards`), so the vocabulary splits
             evenly over the model axis; the padded logits are masked and `to_hf`
             writes the original rows. Default: 1.
-        remat: the layers' rematerialisation policy, `"none"`, `"dots"` or
-            `"full"`. Default: `"none"`.
+        remat: the layers' rematerialisation policy, `"none"`, `"dots"`,
+            `"attention"` or `"full"`. Default: `"none"`.
     """
 
     mesh: Mesh | None

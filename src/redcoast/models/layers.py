@@ -12,9 +12,11 @@ a second norm, GPT-J's parallel `x + attn(h) + mlp(h)`. Attention has a cached p
 """
 
 import abc
+import copy
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 from einops import rearrange, repeat
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree, Real
 
 from ..rematerialisation import PROJECTION
 from .checks import check_range
@@ -158,6 +160,54 @@ def rotate(
     return jnp.concatenate([rotated, rest], axis=-1)
 
 
+def recomputed(fn: Callable[..., Array], recompute: bool) -> Callable[..., Array]:
+    """`fn`, or `fn` recomputed in the backward pass from its inputs (`recompute`).
+
+    An attention layer's score region (scores, softmax, weighted sum) runs through it,
+    so that remat's `"attention"` policy keeps the queries, keys and values and not
+    the `heads x seq x seq` arrays between them. It is a `jax.custom_vjp` whose
+    residuals are the inputs, not a nested `jax.checkpoint`: a checkpoint around the
+    whole block (FSDP's, which recomputes gathered weights) decides what to keep of
+    everything traced inside it, nested checkpoints included, and would keep the
+    scores again.
+    """
+    if not recompute:
+        return fn
+
+    @jax.custom_vjp
+    def run(*args: Any) -> Array:
+        return fn(*args)
+
+    def forward(*args: Any) -> tuple[Array, tuple[Any, ...]]:
+        return fn(*args), args
+
+    def backward(args: tuple[Any, ...], grad: Array) -> tuple[Any, ...]:
+        return jax.vjp(fn, *args)[1](grad)
+
+    run.defvjp(forward, backward)
+    return run
+
+
+def recompute_scores(tree: PyTree) -> PyTree:
+    """`tree` with every attention layer in it recomputing its scores (`recomputed`).
+
+    Sets the static `recompute_scores` flag of each module that has one; the zoo's
+    layer stacks call it on each layer under remat's `"attention"` policy.
+    """
+
+    def flagged(x: object) -> bool:
+        return isinstance(x, eqx.Module) and getattr(x, "recompute_scores", None) is False
+
+    def one(x: object) -> object:
+        if not flagged(x):
+            return x
+        new = copy.copy(x)
+        object.__setattr__(new, "recompute_scores", True)  # a static field
+        return new
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=flagged)
+
+
 class KVCache(eqx.Module):
     """Keys and values of one attention layer for the tokens seen so far.
 
@@ -203,6 +253,7 @@ class Attention(eqx.Module):
     rotary_dim: int = eqx.field(static=True)
     rope_base: float = eqx.field(static=True)
     rope_interleaved: bool = eqx.field(static=True)
+    recompute_scores: bool = eqx.field(static=True, default=False)
 
     def __init__(
         self,
@@ -324,12 +375,8 @@ class Attention(eqx.Module):
         if group > 1:  # each key/value head serves `group` query heads in a row
             k = repeat(k, "s h d -> s (h g) d", g=group)
             v = repeat(v, "s h d -> s (h g) d", g=group)
-        scores = jnp.einsum("thd,shd->hts", q, k) / math.sqrt(self.head_dim)
-        # Softmax in float32 whatever the weights' dtype, as every HF implementation does.
-        scores = jnp.where(visible[None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = rearrange(jnp.einsum("hts,shd->thd", weights, v), "t h d -> t (h d)")
-        return dense(self.o_proj, out)
+        mix = functools.partial(_mix, root=math.sqrt(self.head_dim))
+        return dense(self.o_proj, recomputed(mix, self.recompute_scores)(q, k, v, visible))
 
     def _rotate(
         self, x: Float[Array, "seq heads head_dim"], positions: Real[Array, " seq"]
@@ -341,6 +388,22 @@ class Attention(eqx.Module):
             base=self.rope_base,
             interleaved=self.rope_interleaved,
         )
+
+
+def _mix(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "kv_seq heads head_dim"],
+    v: Float[Array, "kv_seq heads head_dim"],
+    visible: Bool[Array, "seq kv_seq"],
+    *,
+    root: float,
+) -> Float[Array, "seq hidden"]:
+    """Scaled dot-product attention over the visible keys, heads merged back."""
+    scores = jnp.einsum("thd,shd->hts", q, k) / root
+    # Softmax in float32 whatever the weights' dtype, as every HF implementation does.
+    scores = jnp.where(visible[None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return rearrange(jnp.einsum("hts,shd->thd", weights, v), "t h d -> t (h d)")
 
 
 class MLP(eqx.Module):

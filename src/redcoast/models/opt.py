@@ -75,7 +75,8 @@ class OPT(AbstractCausalLM):
         config: the hyperparameters.
         scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
         remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
-            (keep the projections' outputs) or `"full"` (see `rc.remat`).
+            (keep the projections' outputs), `"attention"` (all but attention's scores)
+            or `"full"` (see `rc.remat`).
         key: for the random initialisation, as `transformers`': weights and embeddings
             N(0, `init_std`), zero biases, the padding token's embedding zero
             (`pad_token_id`, 1 unless config.json says otherwise).

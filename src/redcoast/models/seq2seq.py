@@ -15,6 +15,7 @@ its input, and both feed-forward networks column- then row-parallel.
 
 import abc
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -29,7 +30,7 @@ from ..rematerialisation import RematPolicy
 from . import hf
 from ._stack import Stack, run_stack
 from .checks import check_range
-from .layers import MLP, KVCache, Norm, SwiGLU, normalise
+from .layers import MLP, KVCache, Norm, SwiGLU, normalise, recomputed
 
 
 class Seq2SeqAttention(eqx.Module):
@@ -62,6 +63,7 @@ class Seq2SeqAttention(eqx.Module):
     num_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
+    recompute_scores: bool = eqx.field(static=True, default=False)
 
     def __init__(
         self,
@@ -98,15 +100,29 @@ class Seq2SeqAttention(eqx.Module):
     ) -> Float[Array, "seq hidden"]:
         """Attend from each position of `x` to the visible slots of `memory`."""
         q = rearrange(jax.vmap(self.q_proj)(x), "s (h d) -> s h d", h=self.num_heads)
-        scores = jnp.einsum("thd,shd->hts", q, memory.key.astype(q.dtype)) * self.scale
-        # Softmax in float32 whatever the weights' dtype, as transformers does.
-        scores = scores.astype(jnp.float32)
-        if bias is not None:
-            scores = scores + bias.astype(jnp.float32)
-        scores = jnp.where(visible[None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("hts,shd->thd", weights, memory.value.astype(q.dtype))
+        mix = recomputed(functools.partial(_mix, scale=self.scale), self.recompute_scores)
+        out = mix(q, memory.key.astype(q.dtype), memory.value.astype(q.dtype), visible, bias)
         return jax.vmap(self.o_proj)(rearrange(out, "t h d -> t (h d)"))
+
+
+def _mix(
+    q: Float[Array, "seq heads head_dim"],
+    k: Float[Array, "src heads head_dim"],
+    v: Float[Array, "src heads head_dim"],
+    visible: Bool[Array, "seq src"],
+    bias: Float[Array, "heads seq src"] | None,
+    *,
+    scale: float,
+) -> Float[Array, "seq heads head_dim"]:
+    """Scaled dot-product attention with an additive bias over the visible slots."""
+    scores = jnp.einsum("thd,shd->hts", q, k) * scale
+    # Softmax in float32 whatever the weights' dtype, as transformers does.
+    scores = scores.astype(jnp.float32)
+    if bias is not None:
+        scores = scores + bias.astype(jnp.float32)
+    scores = jnp.where(visible[None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("hts,shd->thd", weights, v)
 
 
 def _pre(x: Float[Array, "seq hidden"], norm: Norm, post_norm: bool) -> Float[Array, "seq hidden"]:
