@@ -12,6 +12,7 @@ from . import lora as lora
 from . import models as models
 from . import text as text
 from ._context import context_parallel_attention as context_parallel_attention
+from ._seq_parallel import SequenceParallel as SequenceParallel
 from .checkpoint import Checkpoint as Checkpoint
 from .checkpoint import CheckpointError as CheckpointError
 from .checkpoint import latest_checkpoint as latest_checkpoint

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from ._resume import Run
+from ._seq_parallel import SequenceParallel
 from .data import CollateFn, batches
 from .evaluate import Evaluation, inference, scalar_metrics
 from .logging import MetricsBuffer
@@ -36,11 +37,12 @@ def evaluator(
     """`state -> metrics`: one evaluation, logged, and written to `workdir/eval`."""
     eval_dir = None if run.root is None or not run.lead else os.path.join(run.root, "eval")
     mesh, key = run.mesh, run.key
-    loss_step = functools.partial(jit_eval_first, loss_fn, precision=precision)
+    split = run.split if isinstance(run.split, SequenceParallel) else None
+    loss_step = functools.partial(jit_eval_first, loss_fn, precision=precision, split=split)
     pred_step = (
         None
         if evaluation.pred_fn is None
-        else predict_step(evaluation.pred_fn, precision=precision)
+        else predict_step(evaluation.pred_fn, precision=precision, sequence_parallel=run.split)
     )
 
     def evaluate(s: LoopState) -> dict[str, float]:

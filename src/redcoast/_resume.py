@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ._seq_parallel import SequenceParallel
 from .checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsBuffer, read_jsonl
 from .loop import LoopState
@@ -44,6 +45,8 @@ class Run:
     # fingerprint of the frozen arrays, which a checkpoint records and resume checks.
     trainable: Any = None
     frozen: dict[str, Any] | None = None
+    # With sequence_parallel: the split the steps wrap the model with.
+    split: SequenceParallel | bool = False
 
     def saved_part(self, model: Any) -> Any:
         """What a checkpoint holds of `model`: its trainable arrays, or all of it."""

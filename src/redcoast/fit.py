@@ -35,6 +35,7 @@ from ._evaluator import evaluator as _evaluator
 from ._fit_hooks import fit_hooks as _hooks
 from ._resume import Run as _Run
 from ._resume import resume as _resume
+from ._seq_parallel import SequenceParallel
 from ._signals import stop_requests as _stop_requests
 from .checkpoint import fingerprint, step_checkpoint_path
 from .data import (
@@ -98,6 +99,7 @@ def predict(
     per_device_batch_size: int,
     seed: int = 0,
     precision: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> list[Any]:
     """Run `pred_fn` over `examples` on every device; one output per example, in order.
 
@@ -119,6 +121,8 @@ def predict(
         seed: batch `i` gets the key `fold_in(key(seed), i)`.
         precision: `"bf16"` / `"pure-bf16"` run `pred_fn` on the model cast to
             bfloat16 (see `predict_step`).
+        sequence_parallel: split the activations between tensor-parallel regions
+            over the model axis as well (`rc.SequenceParallel`).
 
     Returns:
         A list with one output per example.
@@ -142,7 +146,11 @@ def predict(
         itertools.chain([first], it),
         key=key,
         loss_step=None,
-        pred_step=predict_step(pred_fn, precision=precision),
+        pred_step=predict_step(
+            pred_fn,
+            precision=precision,
+            sequence_parallel=sequence_parallel and SequenceParallel.of(model),
+        ),
         output_fn=output_fn,
     )
     assert outputs is not None
@@ -326,6 +334,7 @@ def fit(
     # Where: the devices, the split, and whose arrays.
     mesh: Mesh | None = None,
     fsdp: bool = False,
+    sequence_parallel: bool = False,
     data_parallel: Literal["jit", "shard_map"] = "jit",
     opt_state: PyTree | None = None,
     donate: bool = False,
@@ -416,6 +425,9 @@ def fit(
             well (ZeRO-3: parameters, gradients and optimizer state divided by every
             device; see `sharding_plan`). A model already on `mesh` (from
             `sharded_init`, say) keeps its layout.
+        sequence_parallel: split the activations between tensor-parallel regions
+            over the model axis as well (`rc.SequenceParallel`), in training and
+            evaluation; needs a mesh with a model axis > 1.
         data_parallel: `"jit"` (XLA partitions the global step; any mesh) or
             `"shard_map"` (an explicit per-device step with the gradients averaged
             over `"data"`; the model is replicated, so the mesh has one model shard
@@ -471,6 +483,8 @@ def fit(
     placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key), fsdp=fsdp)
     if precision == "pure-bf16":
         placed = cast(placed, param_dtype(precision))
+    if sequence_parallel:
+        run = dataclasses.replace(run, split=SequenceParallel.of(placed))
     mask = trainable_mask(placed, trainable)
     if trainable is not None:
         frozen = fingerprint(eqx.filter(placed, frozen_mask(placed, mask)))
@@ -492,6 +506,7 @@ def fit(
         skip_nonfinite=on_nonfinite == "skip",
         precision=precision,
         trainable=mask,
+        sequence_parallel=run.split,
         jit=False,
     )
     jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ._seq_parallel import SequenceParallel, Split, with_split
 from .mesh import DATA, mesh_shape
 from .place import replicate_strays
 from .precision import check_param_dtypes, check_precision, for_compute
@@ -234,7 +235,9 @@ def _train_core(
     """The un-jitted step; `axis_name` set means "inside shard_map, pmean over it"."""
     n_micro = accumulate_grad_batches
 
-    def step(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
+    def step(
+        model: Any, opt_state: Any, batch: Any, key: Any, split: SequenceParallel | None = None
+    ) -> tuple[Any, Any, dict[str, Array]]:
         mask = trainable_mask(model, trainable)
         params, rest = eqx.partition(model, mask)
         # Frozen arrays are no argument of the differentiated function: no gradient.
@@ -251,6 +254,8 @@ def _train_core(
             # The cast sits inside the differentiated function, so its transpose turns
             # the bfloat16 gradients back into float32 ones for float32 master weights.
             compute = eqx.combine(for_compute(p, precision), frozen_compute, static)
+            if split is not None:  # wrapped here, so gradients keep the model's structure
+                compute = split.apply(compute)
             return _split_loss(loss_fn(compute, b, k), b)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -319,20 +324,21 @@ def _on_one_device(x: Any) -> bool:
 
 
 def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
-    """`eqx.filter_jit` of `fn(model, opt_state, *rest)` donating the model and optimizer state.
+    """`eqx.filter_jit` of `fn(model, opt_state, ...)` donating the model and optimizer state.
 
     `filter_jit` donates either everything or everything but the first argument, so
-    the non-donated arguments travel first, packed into a tuple. The returned
+    the non-donated arguments (positional and keyword) travel first, packed into a
+    tuple. The returned
     function's `lower(model, opt_state, *rest)` gives the program a call with those
     arguments runs, as `eqx.filter_jit(...).lower` does (`.compile().compiled` is its
     `jax.stages.Compiled`: `memory_analysis()`, `as_text()`).
     """
 
     @eqx.filter_jit(donate="all-except-first")
-    def jitted(rest: tuple[Any, ...], model: Any, opt_state: Any) -> _T:
-        return fn(model, opt_state, *rest)
+    def jitted(rest: tuple[tuple[Any, ...], dict[str, Any]], model: Any, opt_state: Any) -> _T:
+        return fn(model, opt_state, *rest[0], **rest[1])
 
-    def run(how: Callable[..., Any], model: Any, opt_state: Any, rest: tuple[Any, ...]) -> Any:
+    def run(how: Callable[..., Any], model: Any, opt_state: Any, rest: Any) -> Any:
         placed = (getattr(x, "sharding", None) for x in jax.tree.leaves(model))
         mesh = next((s.mesh for s in placed if isinstance(s, NamedSharding)), None)
         # optax makes its counters on the default device and the step returns them
@@ -343,11 +349,11 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
         return how(rest, model, opt_state)
 
     @functools.wraps(fn)
-    def call(model: Any, opt_state: Any, *rest: Any) -> _T:
-        return run(jitted, model, opt_state, rest)
+    def call(model: Any, opt_state: Any, *rest: Any, **options: Any) -> _T:
+        return run(jitted, model, opt_state, (rest, options))
 
-    def lower(model: Any, opt_state: Any, *rest: Any) -> Any:
-        return run(cast(Any, jitted).lower, model, opt_state, rest)
+    def lower(model: Any, opt_state: Any, *rest: Any, **options: Any) -> Any:
+        return run(cast(Any, jitted).lower, model, opt_state, (rest, options))
 
     cast(Any, call).lower = lower
     return call
@@ -364,6 +370,7 @@ def train_step(
     skip_nonfinite: bool = False,
     precision: str = "fp32",
     trainable: Trainable = None,
+    sequence_parallel: Split = False,
     jit: bool = True,
 ) -> TrainStepFn:
     """Compose `loss_fn` and an optax optimizer into one training step.
@@ -409,6 +416,10 @@ def train_step(
             updates; the frozen ones are returned as they came, and may be stored in
             another precision (e.g. bfloat16 under `"fp32"`) -- the precision policy
             checks only trainable arrays.
+        sequence_parallel: split the activations between tensor-parallel regions
+            over the model axis too (`rc.SequenceParallel`): `True` reads where from
+            the model's placement at each call; under your own `jax.jit`, pass
+            `rc.SequenceParallel.of(placed_model)` instead. Numbers are unchanged.
         jit: wrap the step in `eqx.filter_jit`, donating the model and optimizer
             state (pass fresh ones each call). With `jit=False` the plain function
             is returned, to compose into your own transformations.
@@ -436,6 +447,11 @@ def train_step(
         raise ValueError(f"data_parallel must be 'jit' or 'shard_map', got {data_parallel!r}.")
     if data_parallel == "shard_map" and mesh is None:
         raise ValueError("data_parallel='shard_map' needs mesh=make_mesh(1).")
+    if data_parallel == "shard_map" and sequence_parallel is not False:
+        raise ValueError(
+            "data_parallel='shard_map' replicates the model, so there is no model axis to "
+            "split the activations over: use data_parallel='jit' with sequence_parallel."
+        )
     check_precision(precision)
     core = _train_core(
         loss_fn,
@@ -451,7 +467,7 @@ def train_step(
     if data_parallel == "shard_map":
         assert mesh is not None
         core = _shard_map_step(core, mesh)
-    return donating_jit(core) if jit else core
+    return with_split(donating_jit(core) if jit else core, sequence_parallel)
 
 
 def _eval(
@@ -462,9 +478,11 @@ def _eval(
     weights: Float[Array, " batch"] | None = None,
     *,
     precision: str = "fp32",
+    split: SequenceParallel | None = None,
 ) -> dict[str, Array]:
     """`loss_fn` per example under inference mode; the weighted means and the weight."""
     model = for_compute(eqx.nn.inference_mode(model), precision)
+    model = model if split is None else split.apply(model)
     size = batch_size(batch)
 
     def one(example: Any) -> tuple[Array, dict[str, Array]]:
@@ -488,16 +506,26 @@ def _eval_first(
     n_valid: Int[Array, ""],
     *,
     precision: str = "fp32",
+    split: SequenceParallel | None = None,
 ) -> dict[str, Array]:
     """`_eval` counting only the first `n_valid` rows; the rest is padding."""
     weights = (jnp.arange(batch_size(batch)) < n_valid).astype(jnp.float32)
-    return _eval(loss_fn, model, batch, key, weights, precision=precision)
+    return _eval(loss_fn, model, batch, key, weights, precision=precision, split=split)
 
 
-def _predict(pred_fn: PredFn, model: Any, batch: Any, key: Any, *, precision: str = "fp32") -> Any:
+def _predict(
+    pred_fn: PredFn,
+    model: Any,
+    batch: Any,
+    key: Any,
+    *,
+    precision: str = "fp32",
+    split: SequenceParallel | None = None,
+) -> Any:
     """`pred_fn` under inference mode, its output checked for the batch axis."""
     size = batch_size(batch)
-    out = pred_fn(for_compute(eqx.nn.inference_mode(model), precision), batch, key)
+    model = for_compute(eqx.nn.inference_mode(model), precision)
+    out = pred_fn(model if split is None else split.apply(model), batch, key)
     leaves = jax.tree_util.tree_leaves(out)
     if not leaves or any(jnp.ndim(x) == 0 or jnp.shape(x)[0] != size for x in leaves):
         raise ValueError(
@@ -516,7 +544,7 @@ _jit_predict = eqx.filter_jit(_predict)
 
 
 def eval_step(
-    loss_fn: LossFn, *, precision: str = "fp32", jit: bool = True
+    loss_fn: LossFn, *, precision: str = "fp32", sequence_parallel: Split = False, jit: bool = True
 ) -> Callable[..., dict[str, Array]]:
     """An evaluation step: `loss_fn` per example under `eqx.nn.inference_mode`.
 
@@ -528,6 +556,7 @@ def eval_step(
         loss_fn: as for `train_step`.
         precision: `"fp32"`, or `"bf16"` / `"pure-bf16"`: `loss_fn` sees the model's
             floating arrays cast to bfloat16; the metrics are float32.
+        sequence_parallel: as for `train_step`.
         jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
             `loss_fn` share their compilations.
 
@@ -541,11 +570,12 @@ def eval_step(
         >>> evaluate(model, batch, jax.random.key(0))["loss"]
     """
     check_precision(precision)
-    return functools.partial(_jit_eval if jit else _eval, loss_fn, precision=precision)
+    step = functools.partial(_jit_eval if jit else _eval, loss_fn, precision=precision)
+    return with_split(step, sequence_parallel)
 
 
 def predict_step(
-    pred_fn: PredFn, *, precision: str = "fp32", jit: bool = True
+    pred_fn: PredFn, *, precision: str = "fp32", sequence_parallel: Split = False, jit: bool = True
 ) -> Callable[..., Any]:
     """A prediction step: `pred_fn` under `eqx.nn.inference_mode`, output checked.
 
@@ -554,6 +584,7 @@ def predict_step(
             leading axis.
         precision: `"fp32"`, or `"bf16"` / `"pure-bf16"`: `pred_fn` sees the model's
             floating arrays cast to bfloat16.
+        sequence_parallel: as for `train_step`.
         jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
             `pred_fn` share their compilations.
 
@@ -565,4 +596,5 @@ def predict_step(
         >>> labels = predict(model, batch, jax.random.key(0))
     """
     check_precision(precision)
-    return functools.partial(_jit_predict if jit else _predict, pred_fn, precision=precision)
+    step = functools.partial(_jit_predict if jit else _predict, pred_fn, precision=precision)
+    return with_split(step, sequence_parallel)
