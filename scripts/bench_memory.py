@@ -9,6 +9,11 @@ tensor parallelism only, FSDP only, both, then with bf16 compute and with remat.
 Targets: parameters + optimizer state per device <= 1.10 x the floor under FSDP and
 TP x FSDP; activations with full remat <= 0.5 x without.
 
+A second table splits the activations: `llama-1b` at 2048 tokens on one device,
+then on n = 2, 4, 8 devices of tensor parallelism without and with sequence
+parallelism (`rc.SequenceParallel`), and with remat's `"attention"` policy.
+Target: activations per device with sequence parallelism <= 1.15 x one device's / n.
+
 Run: python scripts/bench_memory.py   (writes bench-results/bench_memory.json)
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -76,9 +82,54 @@ def main() -> None:
     full = by["TP 2 x FSDP 4, remat full"]["activations"]
     none = by["TP 2 x FSDP 4"]["activations"]
     print(f"activations, full remat / none: {full / none:.2f} (target <= 0.5)")
+    split = activations_split(rc)
     out = Path("bench-results/bench_memory.json")
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out.write_text(json.dumps({"layouts": results, "sequence_parallel": split}, indent=2) + "\n")
+
+
+def activations_split(rc: Any) -> list[dict[str, Any]]:
+    """Activations per device with and without sequence parallelism, 2048 tokens."""
+    print(f"\n{MODEL}, 2048 tokens, 1 sequence per data shard; activations in GiB per device")
+    print(
+        "| devices | TP | TP + SP | one device / n | TP + SP ÷ (one device / n) "
+        "| TP + SP, remat attention |"
+    )
+    print("|" + "---|" * 6)
+
+    def acts(n: int, sp: bool, remat: str = "none") -> int:
+        r = rc.memory_plan(
+            MODEL,
+            devices=n,
+            n_model_shards=n,
+            seq_len=2048,
+            sequence_parallel=sp,
+            remat=remat,
+            max_batch=False,
+        )
+        return r.activations
+
+    one = acts(1, False)
+    rows = []
+    for n in (2, 4, 8):
+        tp, sp, attention = acts(n, False), acts(n, True), acts(n, True, "attention")
+        share = one / n
+        rows.append(
+            {
+                "devices": n,
+                "one_device": one,
+                "tp": tp,
+                "tp_sp": sp,
+                "tp_sp_remat_attention": attention,
+                "ratio": sp / share,
+            }
+        )
+        print(
+            f"| {n} | {gib(tp)} | {gib(sp)} | {gib(share)} | {sp / share:.2f} | {gib(attention)} |",
+            flush=True,
+        )
+    print(f"one device: {gib(one)} GiB; target: TP + SP <= 1.15 x one device / n")
+    return rows
 
 
 if __name__ == "__main__":

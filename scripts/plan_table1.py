@@ -3,10 +3,14 @@
 RedCoast (Tan et al. 2023, Table 1) fine-tunes these models in fp32 with AdamW. For
 each row `rc.memory_plan(..., search=True)` compiles the real train step on abstract shapes
 for that many simulated devices and reports the cheapest layout that fits each
-device's memory (no remat before dots before full; fewer model shards first; plain
-data parallelism before FSDP), with XLA's peak per device. A last row asks what
-arithmetic says cannot fit (LLaMA-7B on one 40 GB device: 16 bytes a parameter is
-108 GB). Memory sizes are GiB (a "40 GB" A100 has 40 GiB). Per-device batch: 1.
+device's memory (no remat before attention's before dots before full; without
+sequence parallelism before with; fewer model shards first; plain data parallelism
+before FSDP), with XLA's peak per device, the largest per-device batch and the
+longest sequence (at one sequence per device, up to the model's positions) that
+layout fits. One row plans LLaMA-2-7B (LLaMA-7B's shape with 4096 positions) at
+4096 tokens; a last row asks what arithmetic says cannot fit (LLaMA-7B on one 40 GB
+device: 16 bytes a parameter is 108 GB). Memory sizes are GiB (a "40 GB" A100 has
+40 GiB). Per-device batch: 1.
 
 Run: python scripts/plan_table1.py   (writes bench-results/plan_table1.json)
 """
@@ -27,6 +31,7 @@ ROWS = [
     ("gpt2-large", 512, "2 x 10 GB", 2, 10),
     ("bart-large", 1024, "2 x 10 GB", 2, 10),
     ("llama-7b", 1024, "4 x 40 GB", 4, 40),
+    ("llama-2-7b", 4096, "4 x 40 GB", 4, 40),
     ("gpt-j-6b", 1024, "4 x 40 GB", 4, 40),
     ("t5-xxl", 512, "2 hosts x 4 x 32 GB", 8, 32),
     ("opt-13b", 1024, "2 hosts x 4 x 32 GB", 8, 32),
@@ -42,22 +47,28 @@ def main() -> None:
     rows = []
     print(
         "| model | tokens | hardware | verdict | layout chosen | peak per device "
-        "| largest batch | planned in |"
+        "| largest batch | longest sequence | planned in |"
     )
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 9)
     for model, seq, hardware, devices, gib in ROWS:
         start = time.perf_counter()
         result = rc.memory_plan(
-            model, devices=devices, seq_len=seq, device_memory=f"{gib}GiB", search=True
+            model,
+            devices=devices,
+            seq_len=seq,
+            device_memory=f"{gib}GiB",
+            search=True,
+            longest_seq=True,
         )
         seconds = time.perf_counter() - start
         verdict = "fits" if result.fits else "does not fit"
         layout = str(result.layout) if result.fits else "none fits"
         peak = f"{result.peak / 2**30:.1f} GiB"
         batch = "" if result.max_batch is None else str(result.max_batch)
+        longest = "" if result.max_seq_len is None else str(result.max_seq_len)
         print(
             f"| {model} | {seq} | {hardware} | {verdict} | {layout} | {peak} | {batch} "
-            f"| {seconds:.0f} s |",
+            f"| {longest} | {seconds:.0f} s |",
             flush=True,
         )
         rows.append(

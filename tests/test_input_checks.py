@@ -133,7 +133,7 @@ def test_decode_past_the_position_table_raises(arch: str) -> None:
         jax.block_until_ready(decode(token, cache, jnp.array(POSITIONS)))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gptj"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gptj", marks=pytest.mark.slow)])
 def test_writing_past_the_end_of_the_cache_raises(arch: str) -> None:
     model = model_of(arch)
     cache = model.init_cache(4)

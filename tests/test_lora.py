@@ -353,8 +353,16 @@ def test_adapters_split_with_their_base_and_never_on_the_rank(arch, n):
         assert specs.get(leaf.path, specs.get(wrapped)) == tuple(leaf.spec), leaf.path
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+# GPT-2 on 2 shards and LLaMA on 4 here; the other two in `nox -s slow`.
+@pytest.mark.parametrize(
+    ("arch", "n"),
+    [
+        ("gpt2", 2),
+        pytest.param("gpt2", 4, marks=pytest.mark.slow),
+        pytest.param("llama", 2, marks=pytest.mark.slow),
+        ("llama", 4),
+    ],
+)
 def test_lora_layout_is_megatron_lms_with_megatron_style_lora(arch, n):
     # bench_comm's reference: A replicated and B column-split beside a column base,
     # A row-split and B replicated beside a row base, both whole beside a whole base.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -186,3 +187,37 @@ def test_cli_plans_lora_and_refuses_a_target_that_matches_nothing() -> None:
     bad = CliRunner().invoke(main, ["plan", "gpt2", "--lora-rank", "4", "--lora-targets", "qkv"])
     assert bad.exit_code != 0 and "match no eqx.nn.Linear" in bad.output
     assert "Traceback" not in bad.output
+
+
+@pytest.mark.slow  # the planner's refusal without a model axis is its fast sibling
+def test_the_cli_plans_sequence_parallelism_with_fewer_activations(tmp_path: Path) -> None:
+    figures = {}
+    for flags in ((), ("--sequence-parallel",)):
+        out = tmp_path / f"plan{len(flags)}.json"
+        result = CliRunner().invoke(
+            main,
+            [
+                *("plan", "llama-1b", "--seq-len", "256", "--devices", "8", "-n", "4"),
+                *(*flags, "--json", str(out)),
+            ],
+        )
+        assert result.exit_code == 0, result.output
+        figures[bool(flags)] = json.loads(out.read_text())
+    assert "TP 4 + SP" in result.output
+    assert figures[True]["layout"]["sequence_parallel"] is True
+    assert figures[True]["activations"] < figures[False]["activations"]
+
+
+@pytest.mark.slow  # test_precision's attention remat without FSDP is its fast sibling
+def test_attention_remat_plans_under_fsdp_and_keeps_less() -> None:
+    """Remat's "attention" policy under FSDP's layer-by-layer gathering: at 512 tokens
+    the scores are most of what a layer keeps."""
+    config = dataclasses.replace(WIDE, hidden_size=64, intermediate_size=128)
+    config = dataclasses.replace(config, max_position_embeddings=512, num_hidden_layers=2)
+    plans = {
+        remat: rc.memory_plan(
+            config, devices=2, fsdp=True, seq_len=512, remat=remat, max_batch=False
+        ).activations
+        for remat in ("none", "attention")
+    }
+    assert plans["attention"] < plans["none"]

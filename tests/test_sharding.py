@@ -193,8 +193,10 @@ def value_and_grad(model: eqx.Module, x: Array) -> tuple[Array, object]:
     return fn(params, x)
 
 
-# 4 shards here; 2 and 8 in `nox -s slow`.
-@pytest.mark.parametrize("name", list(MODELS))
+# GPT and the MLP at 4 shards here; the rest in `nox -s slow`.
+@pytest.mark.parametrize(
+    "name", [n if n in ("gpt", "mlp") else pytest.param(n, marks=pytest.mark.slow) for n in MODELS]
+)
 @pytest.mark.parametrize(
     "n", [pytest.param(2, marks=pytest.mark.slow), 4, pytest.param(8, marks=pytest.mark.slow)]
 )
@@ -229,7 +231,7 @@ def model_axis_traffic(model: eqx.Module, specs: object, n: int, x: Array) -> di
 
 
 @pytest.mark.parametrize(
-    "name", [n if n != "gptj" else pytest.param(n, marks=pytest.mark.slow) for n in MODELS]
+    "name", [n if n in ("gpt", "mlp") else pytest.param(n, marks=pytest.mark.slow) for n in MODELS]
 )
 def test_compiled_traffic_matches_megatron_with_no_weight_all_gathers(name: str) -> None:
     model = MODELS[name]()

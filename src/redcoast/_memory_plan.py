@@ -9,7 +9,7 @@ from typing import Any
 __all__ = ["PRECISIONS", "REMATS", "Layout", "LoRA", "MemoryPlan", "fmt_bytes", "parse_bytes"]
 
 PRECISIONS = ("fp32", "bf16", "pure-bf16")
-REMATS = ("none", "dots", "full")
+REMATS = ("none", "attention", "dots", "full")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -55,9 +55,12 @@ class Layout:
         fsdp: split weights, gradients and optimizer state over the data axis too.
         precision: `"fp32"`, `"bf16"` (fp32 master weights, bf16 compute) or
             `"pure-bf16"`.
-        remat: the zoo's per-block policy, `"none"`, `"dots"` or `"full"`.
+        remat: the zoo's per-block policy, `"none"`, `"attention"`, `"dots"` or
+            `"full"` (`rc.remat`).
         per_device_batch_size: sequences per data-parallel device.
         seq_len: tokens per sequence.
+        sequence_parallel: the activations between tensor-parallel regions split
+            over the model axis too (`rc.SequenceParallel`).
     """
 
     devices: int
@@ -67,9 +70,12 @@ class Layout:
     remat: str = "none"
     per_device_batch_size: int = 1
     seq_len: int = 1024
+    sequence_parallel: bool = False
 
     def __str__(self) -> str:
         parts = [f"TP {self.n_model_shards}"] if self.n_model_shards > 1 else []
+        if self.sequence_parallel:
+            parts = [f"TP {self.n_model_shards} + SP"]
         n_data = self.devices // self.n_model_shards
         parts.append(f"FSDP {n_data}" if self.fsdp else f"DP {n_data}")
         return (
@@ -125,6 +131,8 @@ class MemoryPlan:
             step as `fit(..., donate=True)` runs it (see `peak_keeping_model`).
         device_memory: the budget, or `None`.
         max_batch: the largest per-device batch that fits, when asked and known.
+        max_seq_len: the longest sequence that fits at the layout's batch, when asked
+            (a multiple of 128 tokens, or the model's positions).
         compile_seconds: time to compile the step.
         tried: other layouts compiled on the way (`--search`), with their peaks.
         lora: the LoRA settings of a LoRA plan, else `None`.
@@ -141,6 +149,7 @@ class MemoryPlan:
     peak: int
     device_memory: int | None
     max_batch: int | None = None
+    max_seq_len: int | None = None
     compile_seconds: float = 0.0
     tried: tuple[tuple[str, int | None], ...] = ()
     lora: LoRA | None = None
@@ -203,6 +212,9 @@ class MemoryPlan:
         ]
         if self.max_batch is not None:
             lines.append(f"largest per-device batch that fits: {self.max_batch}")
+        if self.max_seq_len is not None:
+            batch = self.layout.per_device_batch_size
+            lines.append(f"longest sequence that fits at batch {batch}: {self.max_seq_len} tokens")
         if self.tried:
             lines.append(
                 "tried: "

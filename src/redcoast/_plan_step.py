@@ -165,6 +165,7 @@ def compile_step(
     make: Callable[[PRNGKeyArray], Any], layout: Layout, lora: LoRA | None = None
 ) -> tuple[int, int, int, int, int, int, float]:
     """(n_params, params, opt_state, gradients, temporaries, peak, seconds) per device."""
+    from ._seq_parallel import SequenceParallel
     from .step import train_step
 
     devices = jax.devices()[: layout.devices]
@@ -186,6 +187,8 @@ def compile_step(
         options["precision"] = layout.precision
     if mask is not None:
         options["trainable"] = mask
+    if layout.sequence_parallel:
+        options["sequence_parallel"] = SequenceParallel.of(eqx.combine(params, static))
     step = train_step(_loss, optimizer, mesh=mesh, jit=False, **options)
 
     def run(p: Any, s: Any, b: Any, k: Any) -> Any:

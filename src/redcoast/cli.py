@@ -199,11 +199,19 @@ def run() -> None:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @click.option("--remat", type=click.Choice(REMATS), default="none", show_default=True)
 @click.option(
+    "--sequence-parallel",
+    is_flag=True,
+    help="Split the activations between tensor-parallel regions over the model axis too.",
+)
+@click.option(
     "--device-memory",
     default=None,
     help="Memory per device with its unit: 32GB, 40GiB (a bare 40 is refused).",
 )
 @click.option("--search", is_flag=True, help="Find the cheapest layout that fits.")
+@click.option(
+    "--longest-seq", is_flag=True, help="Also find the longest sequence that fits in the memory."
+)
 @click.option(
     "--lora-rank",
     type=click.IntRange(min=0),
@@ -233,8 +241,10 @@ def plan(
     per_device_batch_size: int,
     precision: str,
     remat: str,
+    sequence_parallel: bool,
     device_memory: str | None,
     search: bool,
+    longest_seq: bool,
     lora_rank: int,
     lora_targets: str | None,
     frozen_dtype: str | None,
@@ -260,8 +270,10 @@ def plan(
             per_device_batch_size=per_device_batch_size,
             precision=precision,
             remat=remat,
+            sequence_parallel=sequence_parallel,
             device_memory=device_memory,
             search=search,
+            longest_seq=longest_seq,
             lora_rank=lora_rank,
             lora_targets=lora_targets,
             frozen_dtype=frozen_dtype,

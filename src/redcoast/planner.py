@@ -125,6 +125,13 @@ def sharding_plan_of(
 # --------------------------------------------------------------------------- planning
 
 
+def _positions(config: HFConfig | None) -> int | None:
+    """The longest sequence the model's config allows, if it says."""
+    positions = None if config is None else getattr(config, "max_position_embeddings", None)
+    positions = positions or (None if config is None else getattr(config, "n_positions", None))
+    return positions if isinstance(positions, int) else None
+
+
 def _check_layout(layout: Layout, config: HFConfig | None) -> None:
     if layout.precision not in PRECISIONS:
         raise ValueError(f"precision {layout.precision!r}: choose one of {PRECISIONS}.")
@@ -138,15 +145,19 @@ def _check_layout(layout: Layout, config: HFConfig | None) -> None:
         raise ValueError(
             f"{layout.n_model_shards} model shards do not divide {layout.devices} devices."
         )
+    if layout.sequence_parallel and layout.n_model_shards < 2:
+        raise ValueError(
+            "sequence parallelism splits activations over the model axis, and this layout "
+            "has 1 model shard; plan it with n_model_shards > 1 (-n/--n-model-shards)."
+        )
     heads = None if config is None else _heads(config)
     if heads is not None and heads % layout.n_model_shards:
         raise ValueError(
             f"{layout.n_model_shards} model shards do not divide the model's {heads} attention "
             f"heads; choose a divisor of {heads}."
         )
-    positions = None if config is None else getattr(config, "max_position_embeddings", None)
-    positions = positions or (None if config is None else getattr(config, "n_positions", None))
-    if isinstance(positions, int) and layout.seq_len > positions:
+    positions = _positions(config)
+    if positions is not None and layout.seq_len > positions:
         raise ValueError(
             f"seq_len {layout.seq_len} is longer than the model's {positions} positions."
         )
@@ -184,8 +195,7 @@ def _measure(
         temp,
         peak,
         device_memory,
-        None,
-        seconds,
+        compile_seconds=seconds,
         lora=lora,
         n_trainable=n_trainable,
     )
@@ -216,9 +226,42 @@ def _max_batch(
     return b
 
 
+def _longest_seq(
+    name: str,
+    make: Callable[[PRNGKeyArray], Any],
+    first: MemoryPlan,
+    budget: int,
+    limit: int | None,
+) -> int | None:
+    """The longest sequence whose peak fits: doubling, then halving the gap to 128 tokens.
+
+    Stops at `limit` (the model's positions), or at 32 times the planned length.
+    """
+    if first.peak > budget:
+        return None
+    cap = limit or 32 * first.layout.seq_len
+
+    def fits(seq: int) -> bool:
+        layout = dataclasses.replace(first.layout, seq_len=seq)
+        return _measure(name, make, layout, None, first.lora).peak <= budget
+
+    fit, fail = first.layout.seq_len, None
+    while fail is None and fit < cap:
+        trial = min(2 * fit, cap)
+        fit, fail = (trial, None) if fits(trial) else (fit, trial)
+    while fail is not None and fail - fit > 128:
+        mid = fit + (fail - fit) // 2 // 128 * 128
+        if mid == fit:
+            break
+        fit, fail = (mid, fail) if fits(mid) else (fit, mid)
+    return fit
+
+
 def _candidates(layout: Layout, config: HFConfig | None) -> Iterator[Layout]:
-    """Layouts cheapest first: no remat before dots before full; fewer model shards first
-    (tensor parallelism moves activations in every layer); without FSDP before with."""
+    """Layouts cheapest first: no remat before attention's before dots before full;
+    within each, layouts without sequence parallelism before those with it; fewer
+    model shards first (tensor parallelism moves activations in every layer); without
+    FSDP before with."""
     heads = None if config is None else _heads(config)
     shards = [
         t
@@ -226,9 +269,13 @@ def _candidates(layout: Layout, config: HFConfig | None) -> Iterator[Layout]:
         if layout.devices % t == 0 and (heads is None or heads % t == 0)
     ]
     for remat in REMATS:
-        for t in shards:
-            for split in (False, True):
-                yield dataclasses.replace(layout, n_model_shards=t, fsdp=split, remat=remat)
+        for sp in (False, True):
+            for t in shards:
+                for split in (False, True):
+                    if t > 1 or not sp:
+                        yield dataclasses.replace(
+                            layout, n_model_shards=t, fsdp=split, remat=remat, sequence_parallel=sp
+                        )
 
 
 def _floor(n_params: int, layout: Layout, lora: LoRA | None = None) -> float:
@@ -251,9 +298,11 @@ def memory_plan(
     per_device_batch_size: int = 1,
     precision: str = "fp32",
     remat: str = "none",
+    sequence_parallel: bool = False,
     device_memory: int | str | None = None,
     search: bool = False,
     max_batch: bool = True,
+    longest_seq: bool = False,
     lora_rank: int = 0,
     lora_targets: str | list[str] | tuple[str, ...] | None = None,
     frozen_dtype: Any = None,
@@ -271,13 +320,18 @@ def memory_plan(
         seq_len: tokens per sequence.
         per_device_batch_size: sequences per data-parallel device.
         precision: `"fp32"`, `"bf16"` or `"pure-bf16"`.
-        remat: `"none"`, `"dots"` or `"full"` (zoo models).
+        remat: `"none"`, `"attention"`, `"dots"` or `"full"` (zoo models; `rc.remat`).
+        sequence_parallel: split the activations between tensor-parallel regions
+            over the model axis too (`rc.SequenceParallel`); needs n_model_shards > 1.
         device_memory: memory per device to judge fit: a string with its unit
             (`"32GB"`, `"40GiB"`; a bare `"40"` is refused) or an int of bytes.
         search: find the cheapest layout that fits `device_memory` instead (see
             `_candidates` for the order); the given layout is the first tried.
         max_batch: with `device_memory`, also find the largest per-device batch that
             fits (two or three more compiles).
+        longest_seq: with `device_memory`, also find the longest sequence that fits
+            at the planned batch, up to the model's positions (a compile per probe:
+            doubling, then halving the gap to 128 tokens).
         lora_rank: above 0, plan LoRA fine-tuning: `rc.lora.apply` with this rank,
             and a step with `trainable=rc.lora.trainable(model)`, so frozen weights
             get no gradient and no optimizer state.
@@ -302,6 +356,7 @@ def memory_plan(
     budget = None if device_memory is None else parse_bytes(device_memory)
     lora = _lora_settings(lora_rank, lora_targets, frozen_dtype)
     layout = Layout(devices, n_model_shards, fsdp, precision, remat, per_device_batch_size, seq_len)
+    layout = dataclasses.replace(layout, sequence_parallel=sequence_parallel)
     if callable(model) and not isinstance(model, str | HFConfig):
         if remat != "none" or search:
             raise ValueError(
@@ -325,6 +380,10 @@ def memory_plan(
     if max_batch and budget is not None and result.fits:
         found = _max_batch(name, make_for(result.layout.remat), result, budget)
         result = dataclasses.replace(result, max_batch=found)
+    if longest_seq and budget is not None and result.fits:
+        make = make_for(result.layout.remat)
+        longest = _longest_seq(name, make, result, budget, _positions(config))
+        result = dataclasses.replace(result, max_seq_len=longest)
     return result
 
 

@@ -29,12 +29,13 @@ def _opt(hidden: int, layers: int, heads: int) -> OPTConfig:
     )
 
 
-def _llama(hidden: int, inter: int, layers: int, heads: int) -> LlamaConfig:
+def _llama(hidden: int, inter: int, layers: int, heads: int, positions: int = 2048) -> LlamaConfig:
     return LlamaConfig(
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=heads,
+        max_position_embeddings=positions,
     )
 
 
@@ -46,6 +47,7 @@ PRESETS: dict[str, tuple[type[Any], HFConfig]] = {
     "gpt-j-6b": (GPTJ, GPTJConfig()),
     "llama-1b": (Llama, _llama(2048, 5504, 22, 16)),
     "llama-7b": (Llama, _llama(4096, 11008, 32, 32)),
+    "llama-2-7b": (Llama, _llama(4096, 11008, 32, 32, positions=4096)),
     "llama-13b": (Llama, _llama(5120, 13824, 40, 40)),
     "opt-125m": (OPT, _opt(768, 12, 12)),
     "opt-1.3b": (OPT, _opt(2048, 24, 32)),
