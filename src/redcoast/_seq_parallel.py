@@ -21,7 +21,8 @@ Where to split comes from the placement the sharding rules chose: every projecti
 whose weight is split on its outputs over the model axis gathers its input; every
 one split on its inputs scatters its output (`SequenceParallel.of`). The gathered
 input is not kept for the backward pass; it is gathered again there, as
-Megatron-LM does (`fsdp.remat_policy`).
+Megatron-LM does (`fsdp.remat_policy`). An embedding table split over the model
+axis gives a whole output (`WholeEmbedding`), as under tensor parallelism alone.
 """
 
 from __future__ import annotations
@@ -36,20 +37,24 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from . import fsdp
 from ._tree_paths import path_str
 from .mesh import MODEL, mesh_shape
 from .models.layers import AbstractProjection, dense
 
-__all__ = ["SequenceParallel", "SplitProjection"]
+__all__ = ["SequenceParallel", "SplitProjection", "WholeEmbedding"]
 
 Projection = eqx.nn.Linear | AbstractProjection
 
 
 def _is_projection(x: Any) -> bool:
     return isinstance(x, eqx.nn.Linear | AbstractProjection)
+
+
+def _is_layer(x: Any) -> bool:
+    return _is_projection(x) or isinstance(x, eqx.nn.Embedding)
 
 
 def _linear(layer: Projection) -> eqx.nn.Linear:
@@ -124,6 +129,30 @@ class SplitProjection(AbstractProjection):
         return self._run(dense, x)
 
 
+class WholeEmbedding(eqx.nn.Embedding):
+    """An embedding table split over the model axis whose output is whole there.
+
+    The first layer adds a split output to it, so without this the gradient reaching
+    the table would arrive split on the features while the table is split on its
+    rows, and XLA's partitioner (JAX 0.12) meets that by gathering a table-sized
+    gradient. Whole, it is gathered as an activation, as tensor parallelism's is.
+
+    Attributes:
+        mesh: where the model axis is.
+    """
+
+    mesh: Mesh = eqx.field(static=True)
+
+    def __init__(self, weight: Array, mesh: Mesh):
+        super().__init__(weight=weight)
+        self.mesh = mesh
+
+    def __call__(
+        self, x: Int[ArrayLike, ""], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " features"]:
+        return _features(super().__call__(x, key=key), self.mesh, None)
+
+
 @dataclasses.dataclass(frozen=True)
 class SequenceParallel:
     """Which projections gather their input and which scatter their output.
@@ -136,12 +165,15 @@ class SequenceParallel:
         gather: dotted paths of the projections split on their outputs.
         scatter: dotted paths of the projections split on their inputs.
         notes: projections split over the model axis that are left as they are, and why.
+        embeddings: dotted paths of the `eqx.nn.Embedding`s split over the model
+            axis, whose outputs are made whole (`WholeEmbedding`).
     """
 
     mesh: Mesh
     gather: tuple[str, ...]
     scatter: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    embeddings: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, model: PyTree) -> SequenceParallel:
@@ -165,8 +197,13 @@ class SequenceParallel:
         scatter: list[str] = []
         notes: list[str] = []
         meshes: set[Mesh] = set()
-        flat = jax.tree_util.tree_leaves_with_path(model, is_leaf=_is_projection)
+        embeddings: list[str] = []
+        flat = jax.tree_util.tree_leaves_with_path(model, is_leaf=_is_layer)
         for path, layer in flat:
+            if isinstance(layer, eqx.nn.Embedding):
+                if _split_on(layer.weight, 0) or _split_on(layer.weight, 1):
+                    embeddings.append(path_str(path))
+                continue
             if not _is_projection(layer):
                 continue
             weight = _linear(layer).weight
@@ -206,7 +243,7 @@ class SequenceParallel:
                 f"the model's projections are placed on {len(meshes)} different meshes; "
                 "place the whole model on one (rc.place)."
             )
-        return cls(meshes.pop(), tuple(gather), tuple(scatter), tuple(notes))
+        return cls(meshes.pop(), tuple(gather), tuple(scatter), tuple(notes), tuple(embeddings))
 
     def __str__(self) -> str:
         lines = [
@@ -229,9 +266,11 @@ class SequenceParallel:
         gather, scatter = set(self.gather), set(self.scatter)
 
         def one(path: tuple[Any, ...], layer: Any) -> Any:
+            name = path_str(path)
+            if isinstance(layer, eqx.nn.Embedding) and name in self.embeddings:
+                return WholeEmbedding(layer.weight, self.mesh)
             if not _is_projection(layer):
                 return layer
-            name = path_str(path)
             if name not in gather and name not in scatter:
                 return layer
             # `base` is a property here, not the field pyright takes the AbstractVar for.
@@ -239,7 +278,7 @@ class SequenceParallel:
                 inner=layer, mesh=self.mesh, gather=name in gather, scatter=name in scatter
             )
 
-        return jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_projection)
+        return jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_layer)
 
 
 Split = bool | SequenceParallel
