@@ -55,23 +55,34 @@ def test_example_runs_through_the_cli(name, tmp_path):
     assert all(isinstance(v, float) for v in metrics.values())
 
 
-def test_demo_prints_the_plan_a_sample_and_metrics_and_runs_again(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for _ in range(2):  # a second demo is a fresh run in a folder of its own
+def _demo_runs(times: int) -> list:
+    for _ in range(times):  # each demo is a fresh run in a folder of its own
         result = CliRunner().invoke(main, ["demo", "--max-steps", "1"])
         assert result.exit_code == 0, result.output
         assert "sharding plan: 2 model shard(s)" in result.output
         assert "bytes per device" in result.output
         assert "sample:" in result.output
         assert "val_nats_per_byte" in result.output
-    runs = sorted((tmp_path / "runs" / "demo").iterdir())
-    assert len(runs) == 2 and all((r / "metrics.jsonl").is_file() for r in runs)
+    runs = sorted((Path.cwd() / "runs" / "demo").iterdir())
+    assert len(runs) == times and all((r / "metrics.jsonl").is_file() for r in runs)
+    return runs
+
+
+def test_demo_prints_the_plan_a_sample_and_metrics(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = _demo_runs(1)
     for devices in ("0", "-1"):
         bad = CliRunner().invoke(main, ["demo", "--devices", devices])
         assert bad.exit_code == 2 and "is not in the range x>=1" in bad.output
     held = CliRunner().invoke(main, ["demo", "--max-steps", "1", "--workdir", str(runs[0])])
     assert held.exit_code == 1 and "already holds a run" in held.output
     assert "Traceback" not in held.output
+
+
+@pytest.mark.slow  # one demo run above is its fast sibling
+def test_a_second_demo_is_a_fresh_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _demo_runs(2)
 
 
 def test_every_example_has_a_smoke_test():

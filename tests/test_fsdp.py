@@ -135,9 +135,9 @@ def data_all_gathers(compiled_text: str, mesh: object) -> list[hlo.Collective]:
     ]
 
 
+@pytest.mark.slow  # the FSDP steps' equality above is its fast sibling
 @pytest.mark.parametrize(
-    "scan_layers",
-    [pytest.param(True, id="scan"), pytest.param(False, id="unrolled", marks=pytest.mark.slow)],
+    "scan_layers", [pytest.param(True, id="scan"), pytest.param(False, id="unrolled")]
 )
 def test_a_step_jitted_by_plain_jax_jit_gathers_as_redcoasts_own_step(scan_layers: bool) -> None:
     """No context around the jit: the model says which weights FSDP gathers."""
@@ -224,10 +224,11 @@ def seq2seq_loss(model: rc.models.AbstractSeq2SeqLM, batch: dict, key: jax.Array
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tgt"][:, 1:]).mean()
 
 
+# In `nox -s slow`; the decoders' FSDP steps above are the fast sibling.
 @pytest.mark.parametrize(
     ("arch", "scan_layers"),
     [
-        ("t5", True),
+        pytest.param("t5", True, marks=pytest.mark.slow),
         pytest.param("bart", True, marks=pytest.mark.slow),
         pytest.param("bart", False, marks=pytest.mark.slow),
     ],

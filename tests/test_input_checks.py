@@ -98,6 +98,7 @@ def test_token_ids_outside_the_vocabulary_raise(arch: str, bad: int) -> None:
         jax.block_until_ready(forward(model, jnp.asarray(ids)))
 
 
+@pytest.mark.slow  # the unscanned checks above are its fast siblings
 def test_token_id_check_holds_with_scanned_layers_and_the_cache() -> None:
     model = model_of("llama", scan_layers=True)
     ids = jnp.asarray(IDS).at[0, 0].set(VOCAB + 3)

@@ -390,11 +390,12 @@ def _step_once(model, mesh, fsdp):
     return model, metrics
 
 
+# In `nox -s slow`; the filter under FSDP, TP and donation above is the fast sibling.
 @pytest.mark.parametrize(
     ("arch", "n_model", "fsdp"),
     [
         pytest.param("llama", 2, False, marks=pytest.mark.slow),
-        ("gpt2", 4, True),
+        pytest.param("gpt2", 4, True, marks=pytest.mark.slow),
         pytest.param("gpt2", 2, False, marks=pytest.mark.slow),
         pytest.param("llama", 4, True, marks=pytest.mark.slow),
     ],

@@ -291,6 +291,7 @@ def _buffers(tree):
     return found
 
 
+@pytest.mark.slow  # test_lora's donate=True run is its fast sibling
 def test_donate_hands_the_model_over_without_a_second_copy():
     mesh = rc.make_mesh(2)
     rows = [np.arange(i, i + 64, dtype=np.int32) % 512 for i in range(64)]
