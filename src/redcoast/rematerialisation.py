@@ -17,11 +17,13 @@ model opts in by wrapping its block call with `remat`, and for `"attention"` its
 score computation with `remat(..., "full")`.
 """
 
+import copy
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import equinox as eqx
 import jax
+from jaxtyping import Array, PyTree
 
 RematPolicy = Literal["none", "dots", "full", "attention"]
 """What a rematerialised function keeps for the backward pass (see the module docstring)."""
@@ -100,3 +102,51 @@ def remat(fn: _F, policy: str) -> _F:
         else jax.checkpoint_policies.nothing_saveable
     )
     return eqx.filter_checkpoint(fn, policy=saveable)  # type: ignore[return-value]
+
+
+def recomputed(fn: Callable[..., Array], recompute: bool) -> Callable[..., Array]:
+    """`fn`, or `fn` recomputed in the backward pass from its inputs (`recompute`).
+
+    An attention layer's score region (scores, softmax, weighted sum) runs through it,
+    so that remat's `"attention"` policy keeps the queries, keys and values and not
+    the `heads x seq x seq` arrays between them. It is a `jax.custom_vjp` whose
+    residuals are the inputs, not a nested `jax.checkpoint`: a checkpoint around the
+    whole block (FSDP's, which recomputes gathered weights) decides what to keep of
+    everything traced inside it, nested checkpoints included, and would keep the
+    scores again.
+    """
+    if not recompute:
+        return fn
+
+    @jax.custom_vjp
+    def run(*args: Any) -> Array:
+        return fn(*args)
+
+    def forward(*args: Any) -> tuple[Array, tuple[Any, ...]]:
+        return fn(*args), args
+
+    def backward(args: tuple[Any, ...], grad: Array) -> tuple[Any, ...]:
+        return jax.vjp(fn, *args)[1](grad)
+
+    run.defvjp(forward, backward)
+    return run
+
+
+def recompute_scores(tree: PyTree) -> PyTree:
+    """`tree` with every attention layer in it recomputing its scores (`recomputed`).
+
+    Sets the static `recompute_scores` flag of each module that has one; the zoo's
+    layer stacks call it on each layer under remat's `"attention"` policy.
+    """
+
+    def flagged(x: object) -> bool:
+        return isinstance(x, eqx.Module) and getattr(x, "recompute_scores", None) is False
+
+    def one(x: object) -> object:
+        if not flagged(x):
+            return x
+        new = copy.copy(x)
+        object.__setattr__(new, "recompute_scores", True)  # a static field
+        return new
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=flagged)

@@ -17,8 +17,7 @@ import jax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .. import fsdp
-from ..rematerialisation import remat
-from .layers import recompute_scores
+from ..rematerialisation import recompute_scores, remat
 
 _Layer = TypeVar("_Layer", bound=eqx.Module)
 

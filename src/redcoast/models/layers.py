@@ -12,11 +12,9 @@ a second norm, GPT-J's parallel `x + attn(h) + mlp(h)`. Attention has a cached p
 """
 
 import abc
-import copy
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -24,9 +22,9 @@ import jax.numpy as jnp
 from einops import rearrange, repeat
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 
-from ..rematerialisation import PROJECTION
+from ..rematerialisation import PROJECTION, recomputed
 from .checks import check_range
 
 
@@ -158,54 +156,6 @@ def rotate(
         first, second = rot[..., :half], rot[..., half:]
         rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return jnp.concatenate([rotated, rest], axis=-1)
-
-
-def recomputed(fn: Callable[..., Array], recompute: bool) -> Callable[..., Array]:
-    """`fn`, or `fn` recomputed in the backward pass from its inputs (`recompute`).
-
-    An attention layer's score region (scores, softmax, weighted sum) runs through it,
-    so that remat's `"attention"` policy keeps the queries, keys and values and not
-    the `heads x seq x seq` arrays between them. It is a `jax.custom_vjp` whose
-    residuals are the inputs, not a nested `jax.checkpoint`: a checkpoint around the
-    whole block (FSDP's, which recomputes gathered weights) decides what to keep of
-    everything traced inside it, nested checkpoints included, and would keep the
-    scores again.
-    """
-    if not recompute:
-        return fn
-
-    @jax.custom_vjp
-    def run(*args: Any) -> Array:
-        return fn(*args)
-
-    def forward(*args: Any) -> tuple[Array, tuple[Any, ...]]:
-        return fn(*args), args
-
-    def backward(args: tuple[Any, ...], grad: Array) -> tuple[Any, ...]:
-        return jax.vjp(fn, *args)[1](grad)
-
-    run.defvjp(forward, backward)
-    return run
-
-
-def recompute_scores(tree: PyTree) -> PyTree:
-    """`tree` with every attention layer in it recomputing its scores (`recomputed`).
-
-    Sets the static `recompute_scores` flag of each module that has one; the zoo's
-    layer stacks call it on each layer under remat's `"attention"` policy.
-    """
-
-    def flagged(x: object) -> bool:
-        return isinstance(x, eqx.Module) and getattr(x, "recompute_scores", None) is False
-
-    def one(x: object) -> object:
-        if not flagged(x):
-            return x
-        new = copy.copy(x)
-        object.__setattr__(new, "recompute_scores", True)  # a static field
-        return new
-
-    return jax.tree_util.tree_map(one, tree, is_leaf=flagged)
 
 
 class KVCache(eqx.Module):

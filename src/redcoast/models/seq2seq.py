@@ -26,11 +26,11 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from .. import fsdp
-from ..rematerialisation import RematPolicy
+from ..rematerialisation import RematPolicy, recomputed
 from . import hf
 from ._stack import Stack, run_stack
 from .checks import check_range
-from .layers import MLP, KVCache, Norm, SwiGLU, normalise, recomputed
+from .layers import MLP, KVCache, Norm, SwiGLU, normalise
 
 
 class Seq2SeqAttention(eqx.Module):
