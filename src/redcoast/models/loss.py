@@ -40,14 +40,15 @@ def next_token_nll(
         >>> nll, n = next_token_nll(model, batch["input_ids"], batch["loss_mask"])
     """
     ids = jnp.asarray(input_ids)
-    logits = jax.vmap(model)(ids[:, :-1])
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
-    weight = (
-        jnp.ones(nll.shape, jnp.float32)
-        if loss_mask is None
-        else jnp.asarray(loss_mask)[:, 1:].astype(jnp.float32)
-    )
-    return (nll * weight).sum(-1), weight.sum(-1)
+    # The model reads whole rows, a length that splits evenly over devices (context
+    # parallelism) and is the one the rows were made with; position t is scored on
+    # token t + 1, and the last position, which has no next token, counts for nothing.
+    logits = jax.vmap(model)(ids)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.roll(ids, -1, axis=1))
+    counted = jnp.ones(ids.shape, bool) if loss_mask is None else jnp.asarray(loss_mask, bool)
+    has_next = jnp.arange(ids.shape[1]) < ids.shape[1] - 1
+    weight = (jnp.roll(counted, -1, axis=1) & has_next).astype(jnp.float32)
+    return jnp.where(weight > 0, nll, 0.0).sum(-1), weight.sum(-1)
 
 
 def lm_loss(
