@@ -137,7 +137,9 @@ def test_vmapped_unbatched_inputs_and_several_batch_dims(causal):
     assert_same(grads(one, q[0], k[0], v[0]), grads(zoo, q[0], k[0], v[0]))
 
 
-@pytest.mark.parametrize("axis", ["model", pytest.param("data", marks=pytest.mark.slow)])
+# In `nox -s slow`; test_context_zoo's steps on redcoast's mesh are the fast siblings.
+@pytest.mark.slow
+@pytest.mark.parametrize("axis", ["model", "data"])
 def test_sequence_split_over_an_axis_of_redcoasts_mesh_keeps_the_batch_split_on_the_other(axis):
     mesh = rc.make_mesh(n_model_shards=2)  # data 4 x model 2
     other = "data" if axis == "model" else "model"

@@ -378,6 +378,9 @@ def test_sharded_train_step_equals_unsharded(arch: str) -> None:
     )
 
 
+# In `nox -s slow`; test_models_parallel's from_hf and generate under predict is its
+# fast sibling.
+@pytest.mark.slow
 def test_from_hf_onto_a_mesh_and_beam_search_under_predict(tmp_path: Path) -> None:
     model = build("t5-v1.1", scan_layers=True)
     model.to_hf(tmp_path)

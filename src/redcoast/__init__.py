@@ -12,6 +12,7 @@ from . import lora as lora
 from . import models as models
 from . import text as text
 from ._context import context_parallel_attention as context_parallel_attention
+from ._context_parallel import ContextParallel as ContextParallel
 from ._seq_parallel import SequenceParallel as SequenceParallel
 from .checkpoint import Checkpoint as Checkpoint
 from .checkpoint import CheckpointError as CheckpointError
@@ -27,6 +28,8 @@ from .fit import Checkpointing as Checkpointing
 from .fit import FitResult as FitResult
 from .fit import fit as fit
 from .fit import predict as predict
+from .inference_step import eval_step as eval_step
+from .inference_step import predict_step as predict_step
 from .logging import jsonl_logger as jsonl_logger
 from .logging import tensorboard_logger as tensorboard_logger
 from .logging import wandb_logger as wandb_logger
@@ -44,8 +47,6 @@ from .sharding import ShardingPlan as ShardingPlan
 from .sharding import sharding_plan as sharding_plan
 from .sharding import sharding_report as sharding_report
 from .sharding import sharding_rules as sharding_rules
-from .step import eval_step as eval_step
-from .step import predict_step as predict_step
 from .step import train_step as train_step
 from .trainable import Trainable as Trainable
 from .trainable import trainable_mask as trainable_mask

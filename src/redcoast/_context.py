@@ -46,7 +46,7 @@ __all__ = ["context_parallel_attention"]
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)
 _F32 = jnp.float32
-_STRATEGIES = ("ring", "all_gather")
+STRATEGIES = ("ring", "all_gather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,8 +309,8 @@ def _check(
             "or build a mesh with one, e.g. jax.make_mesh((n,), ('seq',), "
             "axis_types=(jax.sharding.AxisType.Auto,))."
         )
-    if strategy not in _STRATEGIES:
-        raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}.")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if q.ndim < 3 or k.ndim != q.ndim or v.shape != k.shape:
         raise ValueError(
             "q must be (*batch, seq, heads, head_dim) and k, v (*batch, kv_seq, kv_heads, "

@@ -17,9 +17,10 @@ from ._resume import Run
 from ._seq_parallel import SequenceParallel
 from .data import CollateFn, batches
 from .evaluate import Evaluation, inference, scalar_metrics
+from .inference_step import jit_eval_first, predict_step
 from .logging import MetricsBuffer
 from .loop import Hook, LoopState
-from .step import LossFn, jit_eval_first, predict_step
+from .step import LossFn
 
 __all__ = ["eval_hook", "evaluator"]
 
@@ -38,11 +39,18 @@ def evaluator(
     eval_dir = None if run.root is None or not run.lead else os.path.join(run.root, "eval")
     mesh, key = run.mesh, run.key
     split = run.split if isinstance(run.split, SequenceParallel) else None
-    loss_step = functools.partial(jit_eval_first, loss_fn, precision=precision, split=split)
+    loss_step = functools.partial(
+        jit_eval_first, loss_fn, precision=precision, split=split, context=run.context
+    )
     pred_step = (
         None
         if evaluation.pred_fn is None
-        else predict_step(evaluation.pred_fn, precision=precision, sequence_parallel=run.split)
+        else predict_step(
+            evaluation.pred_fn,
+            precision=precision,
+            sequence_parallel=run.split,
+            context_parallel=run.context,
+        )
     )
 
     def evaluate(s: LoopState) -> dict[str, float]:
@@ -55,6 +63,7 @@ def evaluator(
                 batch_size=batch_size,
                 shuffle=False,
                 drop_last=False,
+                split_rows=run.context is None,
             ),
             key=key,
             loss_step=loss_step,

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ._context_parallel import ContextParallel
 from ._seq_parallel import SequenceParallel
 from .checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsBuffer, read_jsonl
@@ -47,6 +48,8 @@ class Run:
     frozen: dict[str, Any] | None = None
     # With sequence_parallel: the split the steps wrap the model with.
     split: SequenceParallel | bool = False
+    # With context_parallel: every sequence split over the data axis, rows whole.
+    context: ContextParallel | None = None
 
     def saved_part(self, model: Any) -> Any:
         """What a checkpoint holds of `model`: its trainable arrays, or all of it."""

@@ -268,13 +268,18 @@ def check_int_range(arrays: Mapping[str, np.ndarray]) -> None:
             )
 
 
-def make_global(local: Mapping[str, np.ndarray], mesh: Mesh, batch_size: int) -> dict[str, Any]:
+def make_global(
+    local: Mapping[str, np.ndarray], mesh: Mesh, batch_size: int, *, split_rows: bool = True
+) -> dict[str, Any]:
     """Assemble this process's rows into global arrays sharded `P("data")`.
 
     Args:
-        local: the rows `process_rows(mesh, batch_size)` of every array.
+        local: the rows `process_rows(mesh, batch_size)` of every array (every row with
+            `split_rows=False`).
         mesh: the `("data", "model")` mesh.
         batch_size: the global number of rows.
+        split_rows: split the rows over the data axis; `False` gives every device
+            every row (context parallelism splits each row inside the step).
 
     Returns:
         A dict of global `jax.Array`s of leading size `batch_size`.
@@ -288,7 +293,7 @@ def make_global(local: Mapping[str, np.ndarray], mesh: Mesh, batch_size: int) ->
         >>> batch = make_global({"x": x[rows]}, mesh, 16)
     """
     check_int_range(local)
-    sharding = NamedSharding(mesh, P(DATA))
+    sharding = NamedSharding(mesh, P(DATA) if split_rows else P())
     return {
         k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:]))
         for k, v in local.items()
@@ -341,6 +346,7 @@ def batches(
     shuffle: bool = True,
     drop_last: bool = True,
     start: int = 0,
+    split_rows: bool = True,
 ) -> Iterator[Batch]:
     """Iterate over one epoch of global batches.
 
@@ -358,6 +364,9 @@ def batches(
             last example (eval, predict; `Batch.n_valid` says how many rows are real).
         start: skip this many batches first, without collating them (to resume
             mid-epoch).
+        split_rows: split each batch's rows over the data axis (`batch_size` then a
+            multiple of its size); `False` collates every row on every process and
+            gives every device the whole batch, for context parallelism.
 
     Returns:
         An iterator of `Batch`.
@@ -369,7 +378,7 @@ def batches(
     n = len(examples)
     if n == 0:
         raise ValueError("the example sequence is empty; there is nothing to batch.")
-    rows = process_rows(mesh, batch_size)
+    rows = process_rows(mesh, batch_size) if split_rows else np.arange(batch_size)
     order = epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle)
     n_batches = n // batch_size if drop_last else -(-n // batch_size)
     for b in range(start, n_batches):
@@ -378,4 +387,4 @@ def batches(
         if n_valid < batch_size:
             idx = np.concatenate([idx, np.full(batch_size - n_valid, idx[-1], np.int64)])
         local = collate(collate_fn, [examples[int(i)] for i in idx[rows]])
-        yield Batch(make_global(local, mesh, batch_size), idx, n_valid)
+        yield Batch(make_global(local, mesh, batch_size, split_rows=split_rows), idx, n_valid)

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from ._ckpt_run import Checkpointing as Checkpointing
+from ._context_parallel import ContextParallel
 from ._evaluator import evaluator as _evaluator
 from ._fit_hooks import fit_hooks as _hooks
 from ._resume import Run as _Run
@@ -48,12 +49,13 @@ from .data import (
     order_fingerprint,
 )
 from .evaluate import Evaluation, check_examples, inference
+from .inference_step import predict_step
 from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
 from .loop import Hook, LoopState, always, run_loop
 from .mesh import make_mesh, mesh_shape
 from .place import model_mesh, own_copy, place, release, replicate_strays
 from .precision import cast, check_precision, param_dtype
-from .step import LossFn, PredFn, donating_jit, predict_step, train_step
+from .step import LossFn, PredFn, donating_jit, train_step
 from .trainable import Trainable, frozen_mask, trainable_mask
 from .workdir import claim_workdir as _claim_workdir
 from .workdir import hold_workdir
@@ -100,6 +102,7 @@ def predict(
     seed: int = 0,
     precision: str = "fp32",
     sequence_parallel: bool = False,
+    context_parallel: bool = False,
 ) -> list[Any]:
     """Run `pred_fn` over `examples` on every device; one output per example, in order.
 
@@ -123,6 +126,9 @@ def predict(
             bfloat16 (see `predict_step`).
         sequence_parallel: split the activations between tensor-parallel regions
             over the model axis as well (`rc.SequenceParallel`).
+        context_parallel: split every sequence over the data axis instead of the
+            rows (`rc.ContextParallel`; see `fit`): batches of
+            `per_device_batch_size` whole rows.
 
     Returns:
         A list with one output per example.
@@ -134,10 +140,17 @@ def predict(
     """
     examples = check_examples(examples, "examples")
     mesh = mesh or model_mesh(model) or make_mesh(1)
-    size = global_batch_size(mesh, per_device_batch_size)
+    context = ContextParallel(mesh) if context_parallel else None
+    size = _rows(mesh, per_device_batch_size, 1, context)
     key = jax.random.key(seed)
     it = batches(
-        examples, collate_fn=collate_fn, mesh=mesh, batch_size=size, shuffle=False, drop_last=False
+        examples,
+        collate_fn=collate_fn,
+        mesh=mesh,
+        batch_size=size,
+        shuffle=False,
+        drop_last=False,
+        split_rows=context is None,
     )
     first = next(it)
     model = place(model, mesh, example_call=lambda m: pred_fn(m, first.arrays, key))
@@ -150,6 +163,7 @@ def predict(
             pred_fn,
             precision=precision,
             sequence_parallel=sequence_parallel and SequenceParallel.of(model),
+            context_parallel=context,
         ),
         output_fn=output_fn,
     )
@@ -231,11 +245,19 @@ def _hand_over(state: LoopState, given: tuple[Any, Any], donate: bool) -> LoopSt
     )
 
 
+def _rows(
+    mesh: Mesh, per_device_batch_size: int, accumulate: int, context: ContextParallel | None
+) -> int:
+    """Rows of one step's batch: split over the data axis, or whole under context parallelism."""
+    size = global_batch_size(mesh, per_device_batch_size, accumulate)
+    return size if context is None else size // mesh_shape(mesh)[0]
+
+
 def _epochs(
     train_examples: Examples | Callable[[int], Examples],
     *,
     collate_fn: CollateFn,
-    mesh: Mesh,
+    run: _Run,
     size: int,
     seed: int,
 ) -> tuple[
@@ -248,11 +270,12 @@ def _epochs(
         examples = train_examples(epoch) if callable(train_examples) else train_examples
         examples = check_examples(examples, f"train_examples (epoch {epoch})")
         if len(examples) < size:
+            shards = "" if run.context else f" x {mesh_shape(run.mesh)[0]} data shards"
             raise ValueError(
                 f"train_examples has {len(examples)} examples in epoch {epoch}, fewer than one "
-                f"global batch of {size} (per_device_batch_size x {mesh_shape(mesh)[0]} data "
-                "shards x accumulate_grad_batches); the partial batch would be dropped. Use "
-                "a smaller per_device_batch_size."
+                f"global batch of {size} (per_device_batch_size{shards} x "
+                "accumulate_grad_batches); the partial batch would be dropped. Use a smaller "
+                "per_device_batch_size."
             )
         return examples
 
@@ -266,7 +289,13 @@ def _epochs(
         return held[epoch]
 
     first_examples = held[0]
-    kw: dict[str, Any] = {"collate_fn": collate_fn, "mesh": mesh, "batch_size": size, "seed": seed}
+    kw: dict[str, Any] = {
+        "collate_fn": collate_fn,
+        "mesh": run.mesh,
+        "batch_size": size,
+        "seed": seed,
+        "split_rows": run.context is None,
+    }
     first = next(batches(first_examples, epoch=0, **kw))
 
     def epoch_batches(epoch: int, start: int) -> tuple[Iterator[Batch], int]:
@@ -335,6 +364,7 @@ def fit(
     mesh: Mesh | None = None,
     fsdp: bool = False,
     sequence_parallel: bool = False,
+    context_parallel: bool = False,
     data_parallel: Literal["jit", "shard_map"] = "jit",
     opt_state: PyTree | None = None,
     donate: bool = False,
@@ -428,6 +458,12 @@ def fit(
         sequence_parallel: split the activations between tensor-parallel regions
             over the model axis as well (`rc.SequenceParallel`), in training and
             evaluation; needs a mesh with a model axis > 1.
+        context_parallel: split every sequence over the data axis instead of the
+            rows (`rc.ContextParallel`), in training and evaluation: each step's
+            `per_device_batch_size * accumulate_grad_batches` rows reach every
+            device, which holds `1 / n_data` of each, so a batch smaller than the
+            data axis (one long sequence) trains on every device. For the zoo's
+            decoders; rows must be a multiple of `n_data` tokens.
         data_parallel: `"jit"` (XLA partitions the global step; any mesh) or
             `"shard_map"` (an explicit per-device step with the gradients averaged
             over `"data"`; the model is replicated, so the mesh has one model shard
@@ -471,13 +507,15 @@ def fit(
     how = {"precision": precision, "data_parallel": data_parallel, "fsdp": fsdp}
     _check_options(*options, resume=resume, overwrite=overwrite, **how)
     mesh = mesh or model_mesh(model) or make_mesh(1)
-    size = global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches)
+    context = ContextParallel(mesh) if context_parallel else None
+    size = _rows(mesh, per_device_batch_size, accumulate_grad_batches, context)
     root = None if workdir is None else os.fspath(workdir)
     run = _Run(mesh, size, seed, jax.random.key(seed), root, jax.process_index() == 0)
+    run = dataclasses.replace(run, context=context)
     if root is not None:
         _claim_workdir(root, resume=resume, overwrite=overwrite, lead=run.lead)
     first, epoch_batches, data = _epochs(
-        train_examples, collate_fn=collate_fn, mesh=mesh, size=size, seed=seed
+        train_examples, collate_fn=collate_fn, run=run, size=size, seed=seed
     )
     run = dataclasses.replace(run, data=data)
     placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key), fsdp=fsdp)
@@ -507,6 +545,7 @@ def fit(
         precision=precision,
         trainable=mask,
         sequence_parallel=run.split,
+        context_parallel=run.context,
         jit=False,
     )
     jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
@@ -532,8 +571,8 @@ def fit(
         )
         evaluate = None
         if evaluation is not None:
-            eval_size = global_batch_size(
-                mesh, evaluation.per_device_batch_size or per_device_batch_size
+            eval_size = _rows(
+                mesh, evaluation.per_device_batch_size or per_device_batch_size, 1, context
             )
             evaluate = _evaluator(
                 run, evaluation, loss_fn, collate_fn, eval_size, emit, history["eval"], precision

@@ -1,4 +1,4 @@
-"""Train, eval and predict steps: the user's callbacks composed into pure, jitted functions.
+"""The train step: the user's `loss_fn` and an optimizer composed into a pure, jitted function.
 
 A step sees the *global* batch. Under `jax.jit` with `Auto` mesh axes the batch is
 sharded `P("data")`, the parameters by their specs, and XLA's partitioner inserts
@@ -20,8 +20,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, PRNGKeyArray
 
+from ._context_parallel import ContextParallel, check_context
 from ._seq_parallel import SequenceParallel, Split, with_split
 from .mesh import DATA, mesh_shape
 from .place import replicate_strays
@@ -52,10 +53,10 @@ _RESERVED = (
 _T = TypeVar("_T")
 
 
-def _shapes(tree: Any) -> str:
+def describe_shapes(tree: Any) -> str:
     """A compact description of a batch for error messages: `{'x': (8, 64), 'y': (8,)}`."""
     if isinstance(tree, Mapping):
-        return "{" + ", ".join(f"{k!r}: {_shapes(v)}" for k, v in tree.items()) + "}"
+        return "{" + ", ".join(f"{k!r}: {describe_shapes(v)}" for k, v in tree.items()) + "}"
     if hasattr(tree, "shape"):
         return str(tuple(tree.shape))
     leaves = jax.tree_util.tree_leaves_with_path(tree)
@@ -87,18 +88,18 @@ def batch_size(batch: Any, *, what: str = "batch") -> int:
     if -1 in sizes or len(sizes) != 1:
         raise ValueError(
             f"{what} must hold arrays that share one leading (batch) axis; got shapes "
-            f"{_shapes(batch)}."
+            f"{describe_shapes(batch)}."
         )
     return int(sizes.pop())
 
 
-def _split_loss(out: Any, batch: Any, name: str = "loss_fn") -> tuple[Array, dict[str, Array]]:
+def split_loss(out: Any, batch: Any, name: str = "loss_fn") -> tuple[Array, dict[str, Array]]:
     """Check `loss_fn`'s return value and normalise it to `(float32 scalar, {name: scalar})`."""
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], Mapping):
             raise TypeError(
                 f"{name} must return a scalar loss or a pair (loss, dict_of_scalars); it "
-                f"returned a tuple of {len(out)} for a batch {_shapes(batch)}."
+                f"returned a tuple of {len(out)} for a batch {describe_shapes(batch)}."
             )
         loss, aux = out
     else:
@@ -115,7 +116,7 @@ def _split_loss(out: Any, batch: Any, name: str = "loss_fn") -> tuple[Array, dic
         )
         raise ValueError(
             f"{name} must return a scalar floating-point loss (reduce over the batch, e.g. "
-            f".mean()); it returned {got} for a batch {_shapes(batch)}."
+            f".mean()); it returned {got} for a batch {describe_shapes(batch)}."
         )
     clean = {}
     for k, v in aux.items():
@@ -127,7 +128,7 @@ def _split_loss(out: Any, batch: Any, name: str = "loss_fn") -> tuple[Array, dic
         if jnp.shape(v) != ():
             raise ValueError(
                 f"{name}'s aux dict must hold scalars; {k!r} has shape {tuple(jnp.shape(v))} "
-                f"for a batch {_shapes(batch)}."
+                f"for a batch {describe_shapes(batch)}."
             )
         clean[str(k)] = jnp.asarray(v, jnp.float32)
     return loss.astype(jnp.float32), clean
@@ -146,7 +147,7 @@ def _micro_batches(batch: Any, n: int, mesh: Mesh | None) -> Any:
         raise ValueError(
             f"a batch of {size} rows cannot be split into accumulate_grad_batches={n} "
             f"micro-batches over {n_data} data shard(s): the batch size must be a multiple "
-            f"of {n * n_data}; got a batch {_shapes(batch)}."
+            f"of {n * n_data}; got a batch {describe_shapes(batch)}."
         )
 
     def split(x: Array) -> Array:
@@ -231,6 +232,7 @@ def _train_core(
     axis_name: str | None,
     precision: str,
     trainable: Trainable,
+    context: ContextParallel | None = None,
 ) -> TrainStepFn:
     """The un-jitted step; `axis_name` set means "inside shard_map, pmean over it"."""
     n_micro = accumulate_grad_batches
@@ -256,14 +258,17 @@ def _train_core(
             compute = eqx.combine(for_compute(p, precision), frozen_compute, static)
             if split is not None:  # wrapped here, so gradients keep the model's structure
                 compute = split.apply(compute)
-            return _split_loss(loss_fn(compute, b, k), b)
+            if context is not None:
+                compute, b = context.apply(compute), context.constrain(b)
+            return split_loss(loss_fn(compute, b, k), b)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         if n_micro == 1:
             batch_size(batch)
             (loss, aux), grads = grad_fn(params, batch, key)
         else:
-            micro = _micro_batches(batch, n_micro, mesh)
+            # Under context parallelism the data axis splits sequences, not rows.
+            micro = _micro_batches(batch, n_micro, mesh if context is None else None)
             (loss, aux), grads = _accumulated(grad_fn, params, micro, key, n_micro, axis_name)
         if axis_name is not None:
             loss, aux, grads = jax.lax.pmean((loss, aux, grads), axis_name)
@@ -371,6 +376,7 @@ def train_step(
     precision: str = "fp32",
     trainable: Trainable = None,
     sequence_parallel: Split = False,
+    context_parallel: ContextParallel | None = None,
     jit: bool = True,
 ) -> TrainStepFn:
     """Compose `loss_fn` and an optax optimizer into one training step.
@@ -420,6 +426,10 @@ def train_step(
             over the model axis too (`rc.SequenceParallel`): `True` reads where from
             the model's placement at each call; under your own `jax.jit`, pass
             `rc.SequenceParallel.of(placed_model)` instead. Numbers are unchanged.
+        context_parallel: an `rc.ContextParallel`: split every sequence of the batch
+            over its mesh axis (the data axis by default, which then splits sequences
+            instead of rows), the zoo's decoder attention running over the split.
+            Numbers are unchanged.
         jit: wrap the step in `eqx.filter_jit`, donating the model and optimizer
             state (pass fresh ones each call). With `jit=False` the plain function
             is returned, to compose into your own transformations.
@@ -452,6 +462,13 @@ def train_step(
             "data_parallel='shard_map' replicates the model, so there is no model axis to "
             "split the activations over: use data_parallel='jit' with sequence_parallel."
         )
+    check_context(context_parallel)
+    if data_parallel == "shard_map" and context_parallel is not None:
+        raise ValueError(
+            "data_parallel='shard_map' splits the rows of the batch over the data axis by "
+            "hand, so it cannot split the sequences too: use data_parallel='jit' with "
+            "context_parallel."
+        )
     check_precision(precision)
     core = _train_core(
         loss_fn,
@@ -463,138 +480,9 @@ def train_step(
         axis_name=DATA if data_parallel == "shard_map" else None,
         precision=precision,
         trainable=trainable,
+        context=context_parallel,
     )
     if data_parallel == "shard_map":
         assert mesh is not None
         core = _shard_map_step(core, mesh)
     return with_split(donating_jit(core) if jit else core, sequence_parallel)
-
-
-def _eval(
-    loss_fn: LossFn,
-    model: Any,
-    batch: Any,
-    key: Any,
-    weights: Float[Array, " batch"] | None = None,
-    *,
-    precision: str = "fp32",
-    split: SequenceParallel | None = None,
-) -> dict[str, Array]:
-    """`loss_fn` per example under inference mode; the weighted means and the weight."""
-    model = for_compute(eqx.nn.inference_mode(model), precision)
-    model = model if split is None else split.apply(model)
-    size = batch_size(batch)
-
-    def one(example: Any) -> tuple[Array, dict[str, Array]]:
-        single = jax.tree.map(lambda x: x[None], example)
-        return _split_loss(loss_fn(model, single, key), single)
-
-    losses, aux = jax.vmap(one)(batch)
-    w = jnp.ones(size, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    total = w.sum()
-    denom = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
-    out = {"loss": (w * losses).sum() / denom, "weight": total}
-    out.update({k: (w * v).sum() / denom for k, v in aux.items()})
-    return out
-
-
-def _eval_first(
-    loss_fn: LossFn,
-    model: Any,
-    batch: Any,
-    key: Any,
-    n_valid: Int[Array, ""],
-    *,
-    precision: str = "fp32",
-    split: SequenceParallel | None = None,
-) -> dict[str, Array]:
-    """`_eval` counting only the first `n_valid` rows; the rest is padding."""
-    weights = (jnp.arange(batch_size(batch)) < n_valid).astype(jnp.float32)
-    return _eval(loss_fn, model, batch, key, weights, precision=precision, split=split)
-
-
-def _predict(
-    pred_fn: PredFn,
-    model: Any,
-    batch: Any,
-    key: Any,
-    *,
-    precision: str = "fp32",
-    split: SequenceParallel | None = None,
-) -> Any:
-    """`pred_fn` under inference mode, its output checked for the batch axis."""
-    size = batch_size(batch)
-    model = for_compute(eqx.nn.inference_mode(model), precision)
-    out = pred_fn(model if split is None else split.apply(model), batch, key)
-    leaves = jax.tree_util.tree_leaves(out)
-    if not leaves or any(jnp.ndim(x) == 0 or jnp.shape(x)[0] != size for x in leaves):
-        raise ValueError(
-            f"pred_fn must return a pytree of arrays with the batch on the leading axis; "
-            f"for a batch of {size} ({_shapes(batch)}) it returned {_shapes(out)}."
-        )
-    return out
-
-
-# Jitted once here, with the callback as a static argument: every step built for the
-# same loss_fn / pred_fn shares one compilation cache, so calling `predict` (or
-# building an eval step) again does not compile again.
-_jit_eval = eqx.filter_jit(_eval)
-jit_eval_first = eqx.filter_jit(_eval_first)
-_jit_predict = eqx.filter_jit(_predict)
-
-
-def eval_step(
-    loss_fn: LossFn, *, precision: str = "fp32", sequence_parallel: Split = False, jit: bool = True
-) -> Callable[..., dict[str, Array]]:
-    """An evaluation step: `loss_fn` per example under `eqx.nn.inference_mode`.
-
-    Each example's loss is `loss_fn` on a batch of that one example, so padding rows
-    can be weighted out exactly and batches of different fill combine correctly:
-    `sum(m["loss"] * m["weight"]) / sum(m["weight"])` over batches.
-
-    Args:
-        loss_fn: as for `train_step`.
-        precision: `"fp32"`, or `"bf16"` / `"pure-bf16"`: `loss_fn` sees the model's
-            floating arrays cast to bfloat16; the metrics are float32.
-        sequence_parallel: as for `train_step`.
-        jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
-            `loss_fn` share their compilations.
-
-    Returns:
-        `(model, batch, key, weights=None) -> metrics` with `loss` (and each aux
-        scalar) the `weights`-weighted mean over the batch, and `weight` the sum of
-        the weights (the batch size when `weights` is None).
-
-    Example:
-        >>> evaluate = eval_step(loss_fn)
-        >>> evaluate(model, batch, jax.random.key(0))["loss"]
-    """
-    check_precision(precision)
-    step = functools.partial(_jit_eval if jit else _eval, loss_fn, precision=precision)
-    return with_split(step, sequence_parallel)
-
-
-def predict_step(
-    pred_fn: PredFn, *, precision: str = "fp32", sequence_parallel: Split = False, jit: bool = True
-) -> Callable[..., Any]:
-    """A prediction step: `pred_fn` under `eqx.nn.inference_mode`, output checked.
-
-    Args:
-        pred_fn: `(model, batch, key) -> pytree of arrays`, each with the batch on the
-            leading axis.
-        precision: `"fp32"`, or `"bf16"` / `"pure-bf16"`: `pred_fn` sees the model's
-            floating arrays cast to bfloat16.
-        sequence_parallel: as for `train_step`.
-        jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
-            `pred_fn` share their compilations.
-
-    Returns:
-        `(model, batch, key) -> predictions`.
-
-    Example:
-        >>> predict = predict_step(lambda m, b, k: jax.vmap(m)(b["x"]).argmax(-1))
-        >>> labels = predict(model, batch, jax.random.key(0))
-    """
-    check_precision(precision)
-    step = functools.partial(_jit_predict if jit else _predict, pred_fn, precision=precision)
-    return with_split(step, sequence_parallel)

@@ -198,3 +198,34 @@ def test_a_held_workdir_stops_every_process_of_a_job(tmp_path: Path) -> None:
         assert error in log, log
     assert not (out / "workdir" / "metrics.jsonl").exists()
     assert not (out / "workdir" / "ckpts").exists()
+
+
+def test_context_parallelism_over_two_processes_equals_the_rows_split_on_one(
+    tmp_path: Path,
+) -> None:
+    script = Path(__file__).parent / "context_lm.py"
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    }
+    single = tmp_path / "single"
+    _run(
+        [sys.executable, str(script), "--out", str(single), "--no-context"],
+        env,
+        tmp_path / "single.log",
+    )
+    command = [sys.executable, "-m", "redcoast", "launch", "--nprocs", "2"]
+    command += ["--devices-per-proc", "4", "--port", str(free_port()), "--"]
+    command += [sys.executable, str(script), "--out", str(tmp_path / "split")]
+    _run(command, dict(os.environ), tmp_path / "split.log")
+    (reference,) = _reports(single)
+    reports = _reports(tmp_path / "split")
+    assert len(reports) == 2 and len(reference["losses"]) == 5
+    for r in reports:
+        np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-5)
+        np.testing.assert_allclose(
+            r["eval"][-1]["eval_loss"], reference["eval"][-1]["eval_loss"], rtol=1e-5
+        )
+        # Every process collates whole batches: the rows a single process collates.
+        assert r["calls"] == reference["calls"]

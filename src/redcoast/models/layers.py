@@ -15,6 +15,7 @@ import abc
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -204,6 +205,8 @@ class Attention(eqx.Module):
     rope_base: float = eqx.field(static=True)
     rope_interleaved: bool = eqx.field(static=True)
     recompute_scores: bool = eqx.field(static=True, default=False)
+    # A `redcoast.ContextParallel` when the sequence is split over a mesh axis.
+    context: Any = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -244,6 +247,9 @@ class Attention(eqx.Module):
         seq = x.shape[0]
         pos = jnp.arange(seq) if positions is None else positions
         q, k, v = self._qkv(x, pos)
+        if self.context is not None:  # the sequence is split: `ContextParallel.attend`
+            out = self.context.attend(q, k, v)
+            return dense(self.o_proj, rearrange(out, "s h d -> s (h d)"))
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         return self._attend(q, k, v, causal)
 
