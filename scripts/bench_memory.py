@@ -14,11 +14,18 @@ then on n = 2, 4, 8 devices of tensor parallelism without and with sequence
 parallelism (`rc.SequenceParallel`), and with remat's `"attention"` policy.
 Target: activations per device with sequence parallelism <= 1.15 x one device's / n.
 
+A third table splits the sequence itself: `llama-1b` given 16384 positions, one
+sequence of 2048 to 16384 tokens on one device, then on 8 devices under TP 8 + SP,
+context parallelism over all 8 (`rc.ContextParallel`, ring attention), the same
+with FSDP, and TP 2 + SP x CP 4. Target: activations per device under CP 8 <= 1.15
+x one device's / 8.
+
 Run: python scripts/bench_memory.py   (writes bench-results/bench_memory.json)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -83,9 +90,11 @@ def main() -> None:
     none = by["TP 2 x FSDP 4"]["activations"]
     print(f"activations, full remat / none: {full / none:.2f} (target <= 0.5)")
     split = activations_split(rc)
+    context = activations_context(rc)
     out = Path("bench-results/bench_memory.json")
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"layouts": results, "sequence_parallel": split}, indent=2) + "\n")
+    figures = {"layouts": results, "sequence_parallel": split, "context_parallel": context}
+    out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 def activations_split(rc: Any) -> list[dict[str, Any]]:
@@ -129,6 +138,40 @@ def activations_split(rc: Any) -> list[dict[str, Any]]:
             flush=True,
         )
     print(f"one device: {gib(one)} GiB; target: TP + SP <= 1.15 x one device / n")
+    return rows
+
+
+def activations_context(rc: Any) -> list[dict[str, Any]]:
+    """Activations and peak per device with the sequence split over devices, one sequence."""
+    from redcoast.models.presets import preset
+
+    config = dataclasses.replace(preset(MODEL)[1], max_position_embeddings=16384)
+    layouts = {
+        "one device": {"devices": 1},
+        "TP 8 + SP": {"devices": 8, "n_model_shards": 8, "sequence_parallel": True},
+        "CP 8": {"devices": 8, "context_parallel": True},
+        "FSDP 8 + CP": {"devices": 8, "fsdp": True, "context_parallel": True},
+        "TP 2 + SP x CP 4": {
+            "devices": 8,
+            "n_model_shards": 2,
+            "sequence_parallel": True,
+            "context_parallel": True,
+        },
+    }
+    print(f"\n{MODEL} with 16384 positions, 1 sequence; activations (peak) in GiB per device")
+    print("| tokens | " + " | ".join(layouts) + " | CP 8 ÷ (one device / 8) |")
+    print("|" + "---|" * (len(layouts) + 2))
+    rows = []
+    for seq in (2048, 8192, 16384):
+        plans = {
+            name: rc.memory_plan(config, seq_len=seq, max_batch=False, **kw)
+            for name, kw in layouts.items()
+        }
+        ratio = plans["CP 8"].activations / (plans["one device"].activations / 8)
+        cells = " | ".join(f"{gib(p.activations)} ({gib(p.peak)})" for p in plans.values())
+        print(f"| {seq} | {cells} | {ratio:.2f} |", flush=True)
+        rows.append({"tokens": seq, "ratio": ratio, **{n: p.to_dict() for n, p in plans.items()}})
+    print("target: CP 8 <= 1.15 x one device / 8")
     return rows
 
 

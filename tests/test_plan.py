@@ -115,6 +115,15 @@ def test_search_finds_a_layout_that_fits_where_the_given_one_does_not() -> None:
         ({"model": "gpt2", "devices": 8, "precision": "fp8"}, "precision 'fp8'"),
         ({"model": "gpt2", "devices": 8, "device_memory": "lots"}, "is not a size"),
         ({"model": "gpt2", "devices": 8, "seq_len": 4096}, "longer than the model's 1024"),
+        (
+            {"model": "gpt2", "devices": 8, "n_model_shards": 8, "context_parallel": True},
+            "has 1 data shard",
+        ),
+        (
+            {"model": "gpt2", "devices": 8, "seq_len": 100, "context_parallel": True},
+            "seq_len 100 is not a multiple of 8; plan 104 tokens",
+        ),
+        ({"model": "t5-large", "devices": 8, "context_parallel": True}, "encoder-decoder"),
     ],
 )
 def test_layouts_that_cannot_work_get_one_clear_line(kwargs: dict, message: str) -> None:
@@ -206,6 +215,45 @@ def test_the_cli_plans_sequence_parallelism_with_fewer_activations(tmp_path: Pat
     assert "TP 4 + SP" in result.output
     assert figures[True]["layout"]["sequence_parallel"] is True
     assert figures[True]["activations"] < figures[False]["activations"]
+
+
+CONTEXT = dataclasses.replace(SMALL, n_positions=512)
+
+
+@pytest.mark.slow  # test_context_zoo's compiled step at a fraction is its fast sibling
+def test_context_parallelism_plans_a_fraction_of_the_activations() -> None:
+    one = rc.memory_plan(CONTEXT, devices=1, seq_len=512, max_batch=False)
+    split = rc.memory_plan(CONTEXT, devices=8, seq_len=512, context_parallel=True, max_batch=False)
+    assert str(split.layout).startswith("CP 8, fp32, remat none, batch 1, each row split 8 ways")
+    # One sequence over 8 devices: 64 tokens each, and (64 x 64)-score blocks.
+    assert split.activations < 0.2 * one.activations
+
+
+@pytest.mark.slow  # the planner's refusals of context parallelism are its fast siblings
+def test_the_cli_plans_context_parallelism(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", "gpt2", "--seq-len", "256", "--devices", "8", "--context-parallel"]
+    result = CliRunner().invoke(main, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "layout: CP 8, fp32, remat none, batch 1, each row split 8 ways" in result.output
+    assert json.loads(out.read_text())["layout"]["context_parallel"] is True
+
+
+@pytest.mark.slow  # the planner's refusals of context parallelism are its fast siblings
+def test_the_search_tries_context_parallelism_after_every_layout_without_it() -> None:
+    split = rc.memory_plan(CONTEXT, devices=8, seq_len=512, context_parallel=True, max_batch=False)
+    found = rc.memory_plan(
+        CONTEXT,
+        devices=8,
+        seq_len=512,
+        context_parallel=True,
+        device_memory=int(split.peak * 1.05),
+        search=True,
+        max_batch=False,
+    )
+    assert found.fits and found.layout.context_parallel
+    with_cp = ["CP" in layout for layout, _ in found.tried]
+    assert with_cp[0] is False and with_cp == sorted(with_cp)
 
 
 @pytest.mark.slow  # test_precision's attention remat without FSDP is its fast sibling

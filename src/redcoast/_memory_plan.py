@@ -61,6 +61,9 @@ class Layout:
         seq_len: tokens per sequence.
         sequence_parallel: the activations between tensor-parallel regions split
             over the model axis too (`rc.SequenceParallel`).
+        context_parallel: every sequence split over the data axis instead of the
+            rows (`rc.ContextParallel`); `per_device_batch_size` rows then reach
+            every device, each holding `1 / n_data` of every row.
     """
 
     devices: int
@@ -71,17 +74,20 @@ class Layout:
     per_device_batch_size: int = 1
     seq_len: int = 1024
     sequence_parallel: bool = False
+    context_parallel: bool = False
 
     def __str__(self) -> str:
         parts = [f"TP {self.n_model_shards}"] if self.n_model_shards > 1 else []
         if self.sequence_parallel:
             parts = [f"TP {self.n_model_shards} + SP"]
         n_data = self.devices // self.n_model_shards
-        parts.append(f"FSDP {n_data}" if self.fsdp else f"DP {n_data}")
-        return (
-            " x ".join(parts) + f", {self.precision}, remat {self.remat}, "
-            f"batch {self.per_device_batch_size}/device"
-        )
+        data = f"FSDP {n_data}" if self.fsdp else f"DP {n_data}"
+        batch = f"batch {self.per_device_batch_size}/device"
+        if self.context_parallel:
+            data = f"FSDP {n_data} + CP" if self.fsdp else f"CP {n_data}"
+            batch = f"batch {self.per_device_batch_size}, each row split {n_data} ways"
+        parts.append(data)
+        return " x ".join(parts) + f", {self.precision}, remat {self.remat}, {batch}"
 
 
 @dataclasses.dataclass(frozen=True)

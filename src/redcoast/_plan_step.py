@@ -22,13 +22,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ._context_parallel import ContextParallel
 from ._memory_plan import Layout, LoRA
 from ._placement import optimizer_specs, sharding_tree
 from ._sharding_plan import ShardingPlan
 from ._tree_paths import leaves_with_paths, path_str
 from .fsdp import record_layout
 from .mesh import DATA, make_mesh
-from .models import AbstractSeq2SeqLM
+from .models import AbstractSeq2SeqLM, lm_loss
 from .sharding import sharding_plan
 
 __all__ = ["compile_step", "plan_specs", "with_lora"]
@@ -85,6 +86,11 @@ def _loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), labels
     ).mean()
+
+
+def _whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """The decoders' loss on rows of exactly `seq_len` tokens (`rc.models.lm_loss`)."""
+    return lm_loss(model, batch, key)[0]
 
 
 def _abstract(tree: PyTree, shardings: PyTree, dtype: Any = None) -> PyTree:
@@ -175,21 +181,27 @@ def compile_step(
     params, static, trained, mask = _placed_params(make, key, layout, mesh, lora)
     optimizer = optax.adamw(1e-4)
     state = _placed_opt_state(optimizer, trained, params, mesh)
+    options: dict[str, Any] = {}
+    if layout.context_parallel:
+        # Whole rows on every device, as `fit` gives them, split inside the step; the
+        # model reads `seq_len` tokens either way.
+        rows, tokens, spec = layout.per_device_batch_size, layout.seq_len, P()
+        options["context_parallel"] = ContextParallel(mesh)
+    else:
+        rows, tokens, spec = layout.per_device_batch_size * n_data, layout.seq_len + 1, P(DATA)
     batch = {
         "input_ids": jax.ShapeDtypeStruct(
-            (layout.per_device_batch_size * n_data, layout.seq_len + 1),
-            jnp.int32,
-            sharding=NamedSharding(mesh, P(DATA)),
+            (rows, tokens), jnp.int32, sharding=NamedSharding(mesh, spec)
         )
     }
-    options: dict[str, Any] = {}
     if layout.precision != "fp32":
         options["precision"] = layout.precision
     if mask is not None:
         options["trainable"] = mask
     if layout.sequence_parallel:
         options["sequence_parallel"] = SequenceParallel.of(eqx.combine(params, static))
-    step = train_step(_loss, optimizer, mesh=mesh, jit=False, **options)
+    loss = _whole_rows_loss if layout.context_parallel else _loss
+    step = train_step(loss, optimizer, mesh=mesh, jit=False, **options)
 
     def run(p: Any, s: Any, b: Any, k: Any) -> Any:
         model, s, metrics = step(eqx.combine(p, static), s, b, k)

@@ -204,6 +204,11 @@ def run() -> None:
     help="Split the activations between tensor-parallel regions over the model axis too.",
 )
 @click.option(
+    "--context-parallel",
+    is_flag=True,
+    help="Split every sequence over the data axis instead of the rows (decoders).",
+)
+@click.option(
     "--device-memory",
     default=None,
     help="Memory per device with its unit: 32GB, 40GiB (a bare 40 is refused).",
@@ -242,6 +247,7 @@ def plan(
     precision: str,
     remat: str,
     sequence_parallel: bool,
+    context_parallel: bool,
     device_memory: str | None,
     search: bool,
     longest_seq: bool,
@@ -271,6 +277,7 @@ def plan(
             precision=precision,
             remat=remat,
             sequence_parallel=sequence_parallel,
+            context_parallel=context_parallel,
             device_memory=device_memory,
             search=search,
             longest_seq=longest_seq,

@@ -35,7 +35,7 @@ from ._memory_plan import fmt_bytes as fmt_bytes
 from ._memory_plan import parse_bytes as parse_bytes
 from ._plan_step import compile_step, plan_specs, with_lora
 from ._sharding_plan import ShardingPlan
-from .models import ARCHITECTURES
+from .models import ARCHITECTURES, AbstractSeq2SeqLM
 from .models.hf import HFConfig, read_config
 from .models.presets import PRESETS, preset
 
@@ -132,6 +132,30 @@ def _positions(config: HFConfig | None) -> int | None:
     return positions if isinstance(positions, int) else None
 
 
+def _check_context(layout: Layout, config: HFConfig | None) -> None:
+    if not layout.context_parallel:
+        return
+    n_data = layout.devices // layout.n_model_shards
+    if n_data < 2:
+        raise ValueError(
+            "context parallelism splits every sequence over the data axis, and this layout "
+            f"has 1 data shard ({layout.devices} devices, {layout.n_model_shards} model "
+            "shards); plan it with fewer model shards than devices."
+        )
+    if layout.seq_len % n_data:
+        fitting = -(-layout.seq_len // n_data) * n_data
+        raise ValueError(
+            f"context parallelism splits every sequence over the {n_data} data shards, and "
+            f"seq_len {layout.seq_len} is not a multiple of {n_data}; plan {fitting} tokens."
+        )
+    if config is not None and issubclass(_class_of(config.model_type), AbstractSeq2SeqLM):
+        raise ValueError(
+            "context parallelism splits the decoders' causal attention (GPT-2, OPT, GPT-J, "
+            "LLaMA); an encoder-decoder's masks cannot be split. Plan it with "
+            "sequence_parallel (--sequence-parallel) instead."
+        )
+
+
 def _check_layout(layout: Layout, config: HFConfig | None) -> None:
     if layout.precision not in PRECISIONS:
         raise ValueError(f"precision {layout.precision!r}: choose one of {PRECISIONS}.")
@@ -145,6 +169,7 @@ def _check_layout(layout: Layout, config: HFConfig | None) -> None:
         raise ValueError(
             f"{layout.n_model_shards} model shards do not divide {layout.devices} devices."
         )
+    _check_context(layout, config)
     if layout.sequence_parallel and layout.n_model_shards < 2:
         raise ValueError(
             "sequence parallelism splits activations over the model axis, and this layout "
@@ -261,21 +286,35 @@ def _candidates(layout: Layout, config: HFConfig | None) -> Iterator[Layout]:
     """Layouts cheapest first: no remat before attention's before dots before full;
     within each, layouts without sequence parallelism before those with it; fewer
     model shards first (tensor parallelism moves activations in every layer); without
-    FSDP before with."""
+    FSDP before with. Asked for context parallelism, every layout without it comes
+    first: it makes the step's batch `n_data` times smaller."""
     heads = None if config is None else _heads(config)
     shards = [
         t
         for t in range(1, min(layout.devices, 8) + 1)
         if layout.devices % t == 0 and (heads is None or heads % t == 0)
     ]
-    for remat in REMATS:
-        for sp in (False, True):
-            for t in shards:
-                for split in (False, True):
-                    if t > 1 or not sp:
-                        yield dataclasses.replace(
-                            layout, n_model_shards=t, fsdp=split, remat=remat, sequence_parallel=sp
+    for cp in (False, True) if layout.context_parallel else (False,):
+        for remat in REMATS:
+            for sp in (False, True):
+                for t in shards:
+                    for split in (False, True):
+                        candidate = dataclasses.replace(
+                            layout,
+                            n_model_shards=t,
+                            fsdp=split,
+                            remat=remat,
+                            sequence_parallel=sp,
+                            context_parallel=cp,
                         )
+                        if (t > 1 or not sp) and (not cp or _splits(candidate)):
+                            yield candidate
+
+
+def _splits(layout: Layout) -> bool:
+    """Context parallelism has a data axis to split the sequence over, evenly."""
+    n_data = layout.devices // layout.n_model_shards
+    return n_data > 1 and layout.seq_len % n_data == 0
 
 
 def _floor(n_params: int, layout: Layout, lora: LoRA | None = None) -> float:
@@ -299,6 +338,7 @@ def memory_plan(
     precision: str = "fp32",
     remat: str = "none",
     sequence_parallel: bool = False,
+    context_parallel: bool = False,
     device_memory: int | str | None = None,
     search: bool = False,
     max_batch: bool = True,
@@ -323,6 +363,10 @@ def memory_plan(
         remat: `"none"`, `"attention"`, `"dots"` or `"full"` (zoo models; `rc.remat`).
         sequence_parallel: split the activations between tensor-parallel regions
             over the model axis too (`rc.SequenceParallel`); needs n_model_shards > 1.
+        context_parallel: split every sequence over the data axis instead of the
+            rows (`rc.ContextParallel`, the decoders): `per_device_batch_size` rows
+            reach every device, `1 / n_data` of each; `search` tries it after every
+            layout without it.
         device_memory: memory per device to judge fit: a string with its unit
             (`"32GB"`, `"40GiB"`; a bare `"40"` is refused) or an int of bytes.
         search: find the cheapest layout that fits `device_memory` instead (see
@@ -356,7 +400,9 @@ def memory_plan(
     budget = None if device_memory is None else parse_bytes(device_memory)
     lora = _lora_settings(lora_rank, lora_targets, frozen_dtype)
     layout = Layout(devices, n_model_shards, fsdp, precision, remat, per_device_batch_size, seq_len)
-    layout = dataclasses.replace(layout, sequence_parallel=sequence_parallel)
+    layout = dataclasses.replace(
+        layout, sequence_parallel=sequence_parallel, context_parallel=context_parallel
+    )
     if callable(model) and not isinstance(model, str | HFConfig):
         if remat != "none" or search:
             raise ValueError(
