@@ -65,8 +65,19 @@ def test_one_process_holds_every_row_and_sizes_multiply():
     mesh = rc.make_mesh(4)
     np.testing.assert_array_equal(process_rows(mesh, 6), np.arange(6))
     assert global_batch_size(mesh, 3, 4) == 3 * 2 * 4
+    assert global_batch_size(mesh, 3, 4, split_rows=False) == 3 * 4  # context parallelism
     with pytest.raises(ValueError, match="per_device_batch_size must be a positive int"):
         global_batch_size(mesh, 0)
+
+
+def test_whole_rows_reach_every_device_for_context_parallelism():
+    # 3 rows on 8 data shards: no split of the rows, every device holds all of them.
+    mesh = rc.make_mesh(1)
+    (batch,) = rc.batches(
+        _examples(3), collate_fn=collate_fn, mesh=mesh, batch_size=3, split_rows=False
+    )
+    for x in batch.arrays.values():
+        assert x.shape[0] == 3 and x.sharding.is_fully_replicated
 
 
 def test_batch_size_that_does_not_divide_the_data_shards_is_a_clear_error():

@@ -24,10 +24,10 @@ from .data import batches as batches
 from .data import global_batch_size as global_batch_size
 from .evaluate import BestMetric as BestMetric
 from .evaluate import Evaluation as Evaluation
+from .evaluate import predict as predict
 from .fit import Checkpointing as Checkpointing
 from .fit import FitResult as FitResult
 from .fit import fit as fit
-from .fit import predict as predict
 from .inference_step import eval_step as eval_step
 from .inference_step import predict_step as predict_step
 from .logging import jsonl_logger as jsonl_logger

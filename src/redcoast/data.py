@@ -112,7 +112,11 @@ def check_positive(name: str, value: Any, *, optional: bool = True) -> None:
 
 
 def global_batch_size(
-    mesh: Mesh, per_device_batch_size: int, accumulate_grad_batches: int = 1
+    mesh: Mesh,
+    per_device_batch_size: int,
+    accumulate_grad_batches: int = 1,
+    *,
+    split_rows: bool = True,
 ) -> int:
     """Rows per optimizer step: `per_device_batch_size * n_data * accumulate_grad_batches`.
 
@@ -120,6 +124,8 @@ def global_batch_size(
         mesh: the `("data", "model")` mesh.
         per_device_batch_size: rows per data-parallel device per micro-batch.
         accumulate_grad_batches: micro-batches per step.
+        split_rows: the rows are split over the data axis; `False` (context
+            parallelism, which splits each row instead) leaves `n_data` out.
 
     Returns:
         The global batch size.
@@ -130,7 +136,8 @@ def global_batch_size(
     """
     check_positive("per_device_batch_size", per_device_batch_size, optional=False)
     check_positive("accumulate_grad_batches", accumulate_grad_batches, optional=False)
-    return int(per_device_batch_size) * mesh_shape(mesh)[0] * int(accumulate_grad_batches)
+    n_data = mesh_shape(mesh)[0] if split_rows else 1
+    return int(per_device_batch_size) * n_data * int(accumulate_grad_batches)
 
 
 def process_rows(mesh: Mesh, batch_size: int) -> Int[np.ndarray, " local"]:
@@ -271,7 +278,7 @@ def check_int_range(arrays: Mapping[str, np.ndarray]) -> None:
 def make_global(
     local: Mapping[str, np.ndarray], mesh: Mesh, batch_size: int, *, split_rows: bool = True
 ) -> dict[str, Any]:
-    """Assemble this process's rows into global arrays sharded `P("data")`.
+    """Assemble this process's rows into global arrays sharded `P("data")` (or whole).
 
     Args:
         local: the rows `process_rows(mesh, batch_size)` of every array (every row with

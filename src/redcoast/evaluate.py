@@ -1,19 +1,27 @@
 """Evaluation: what to evaluate on and how (`Evaluation`), the best value so far
-(`BestMetric`), and one pass of the jitted eval/predict steps over a sequence.
+(`BestMetric`), one pass of the jitted eval/predict steps over a sequence, and
+`predict` over a sequence of examples.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-from .data import Batch, Examples, check_positive, to_host
+from ._context_parallel import ContextParallel
+from ._seq_parallel import SequenceParallel
+from .data import Batch, CollateFn, Examples, batches, check_positive, global_batch_size, to_host
+from .inference_step import predict_step
+from .mesh import make_mesh
+from .place import model_mesh, place
 from .step import PredFn
 
 MetricFn = Callable[[Examples, list[Any]], Mapping[str, Any]]
@@ -239,3 +247,84 @@ def _outputs(preds: Any, n_valid: int, output_fn: Callable[[Any], Any] | None) -
     host = jax.tree.map(lambda x: x[:n_valid], to_host(preds))
     per_example = _unbatch(host, n_valid)
     return per_example if output_fn is None else [output_fn(o) for o in per_example]
+
+
+def predict(
+    model: PyTree,
+    examples: Examples,
+    *,
+    collate_fn: CollateFn,
+    pred_fn: PredFn,
+    output_fn: Callable[[Any], Any] | None = None,
+    mesh: Mesh | None = None,
+    per_device_batch_size: int,
+    seed: int = 0,
+    precision: str = "fp32",
+    sequence_parallel: bool = False,
+    context_parallel: bool = False,
+) -> list[Any]:
+    """Run `pred_fn` over `examples` on every device; one output per example, in order.
+
+    The last batch is padded (repeating the last example) and the padding dropped.
+    Outputs are gathered from all processes, so every process gets the full list.
+    The model's arrays are only read.
+
+    Args:
+        model: an Equinox model; if it is not on `mesh` it is placed there (`place`,
+            tracing `pred_fn` on the first batch).
+        examples: a sequence, the same on every process.
+        collate_fn: `(examples: list) -> dict[str, np.ndarray]`.
+        pred_fn: `(model, batch, key) -> pytree of arrays`, batch on the leading axis;
+            runs under `eqx.nn.inference_mode`.
+        output_fn: turns one example's predictions (a pytree of NumPy arrays without
+            the batch axis) into the output to return; identity by default.
+        mesh: from `make_mesh`; defaults to the model's mesh, else `make_mesh(1)`.
+        per_device_batch_size: rows per data-parallel device.
+        seed: batch `i` gets the key `fold_in(key(seed), i)`.
+        precision: `"bf16"` / `"pure-bf16"` run `pred_fn` on the model cast to
+            bfloat16 (see `predict_step`).
+        sequence_parallel: split the activations between tensor-parallel regions
+            over the model axis as well (`rc.SequenceParallel`).
+        context_parallel: split every sequence over the data axis instead of the
+            rows (`rc.ContextParallel`; see `fit`): batches of
+            `per_device_batch_size` whole rows.
+
+    Returns:
+        A list with one output per example.
+
+    Example:
+        >>> labels = predict(model, test, collate_fn=collate_fn, per_device_batch_size=32,
+        ...                  pred_fn=lambda m, b, k: jax.vmap(m)(b["x"]).argmax(-1),
+        ...                  output_fn=int)
+    """
+    examples = check_examples(examples, "examples")
+    mesh = mesh or model_mesh(model) or make_mesh(1)
+    context = ContextParallel(mesh) if context_parallel else None
+    size = global_batch_size(mesh, per_device_batch_size, split_rows=context is None)
+    key = jax.random.key(seed)
+    it = batches(
+        examples,
+        collate_fn=collate_fn,
+        mesh=mesh,
+        batch_size=size,
+        shuffle=False,
+        drop_last=False,
+        split_rows=context is None,
+    )
+    first = next(it)
+    model = place(model, mesh, example_call=lambda m: pred_fn(m, first.arrays, key))
+    _, outputs = inference(
+        model,
+        itertools.chain([first], it),
+        key=key,
+        loss_step=None,
+        pred_step=predict_step(
+            pred_fn,
+            precision=precision,
+            sequence_parallel=sequence_parallel and SequenceParallel.of(model),
+            context_parallel=context,
+        ),
+        output_fn=output_fn,
+    )
+    assert outputs is not None
+    return outputs

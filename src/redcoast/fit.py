@@ -1,4 +1,4 @@
-"""`fit` and `predict`: the three callbacks, a mesh, and a loop of small parts.
+"""`fit`: the three callbacks, a mesh, and a loop of small parts (`predict` is in `evaluate.py`).
 
 `fit` validates its options, places the model, resumes when asked, and hands a
 `LoopState` to `run_loop` with its behaviours as hooks: the metrics buffer (one
@@ -48,14 +48,13 @@ from .data import (
     global_batch_size,
     order_fingerprint,
 )
-from .evaluate import Evaluation, check_examples, inference
-from .inference_step import predict_step
+from .evaluate import Evaluation, check_examples
 from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
 from .loop import Hook, LoopState, always, run_loop
 from .mesh import make_mesh, mesh_shape
 from .place import model_mesh, own_copy, place, release, replicate_strays
 from .precision import cast, check_precision, param_dtype
-from .step import LossFn, PredFn, donating_jit, train_step
+from .step import LossFn, donating_jit, train_step
 from .trainable import Trainable, frozen_mask, trainable_mask
 from .workdir import claim_workdir as _claim_workdir
 from .workdir import hold_workdir
@@ -88,87 +87,6 @@ class FitResult:
 
 
 # ----------------------------------------------------------------------------- predict
-
-
-def predict(
-    model: PyTree,
-    examples: Examples,
-    *,
-    collate_fn: CollateFn,
-    pred_fn: PredFn,
-    output_fn: Callable[[Any], Any] | None = None,
-    mesh: Mesh | None = None,
-    per_device_batch_size: int,
-    seed: int = 0,
-    precision: str = "fp32",
-    sequence_parallel: bool = False,
-    context_parallel: bool = False,
-) -> list[Any]:
-    """Run `pred_fn` over `examples` on every device; one output per example, in order.
-
-    The last batch is padded (repeating the last example) and the padding dropped.
-    Outputs are gathered from all processes, so every process gets the full list.
-    The model's arrays are only read.
-
-    Args:
-        model: an Equinox model; if it is not on `mesh` it is placed there (`place`,
-            tracing `pred_fn` on the first batch).
-        examples: a sequence, the same on every process.
-        collate_fn: `(examples: list) -> dict[str, np.ndarray]`.
-        pred_fn: `(model, batch, key) -> pytree of arrays`, batch on the leading axis;
-            runs under `eqx.nn.inference_mode`.
-        output_fn: turns one example's predictions (a pytree of NumPy arrays without
-            the batch axis) into the output to return; identity by default.
-        mesh: from `make_mesh`; defaults to the model's mesh, else `make_mesh(1)`.
-        per_device_batch_size: rows per data-parallel device.
-        seed: batch `i` gets the key `fold_in(key(seed), i)`.
-        precision: `"bf16"` / `"pure-bf16"` run `pred_fn` on the model cast to
-            bfloat16 (see `predict_step`).
-        sequence_parallel: split the activations between tensor-parallel regions
-            over the model axis as well (`rc.SequenceParallel`).
-        context_parallel: split every sequence over the data axis instead of the
-            rows (`rc.ContextParallel`; see `fit`): batches of
-            `per_device_batch_size` whole rows.
-
-    Returns:
-        A list with one output per example.
-
-    Example:
-        >>> labels = predict(model, test, collate_fn=collate_fn, per_device_batch_size=32,
-        ...                  pred_fn=lambda m, b, k: jax.vmap(m)(b["x"]).argmax(-1),
-        ...                  output_fn=int)
-    """
-    examples = check_examples(examples, "examples")
-    mesh = mesh or model_mesh(model) or make_mesh(1)
-    context = ContextParallel(mesh) if context_parallel else None
-    size = _rows(mesh, per_device_batch_size, 1, context)
-    key = jax.random.key(seed)
-    it = batches(
-        examples,
-        collate_fn=collate_fn,
-        mesh=mesh,
-        batch_size=size,
-        shuffle=False,
-        drop_last=False,
-        split_rows=context is None,
-    )
-    first = next(it)
-    model = place(model, mesh, example_call=lambda m: pred_fn(m, first.arrays, key))
-    _, outputs = inference(
-        model,
-        itertools.chain([first], it),
-        key=key,
-        loss_step=None,
-        pred_step=predict_step(
-            pred_fn,
-            precision=precision,
-            sequence_parallel=sequence_parallel and SequenceParallel.of(model),
-            context_parallel=context,
-        ),
-        output_fn=output_fn,
-    )
-    assert outputs is not None
-    return outputs
 
 
 # ----------------------------------------------------------------------------- fit
@@ -245,14 +163,6 @@ def _hand_over(state: LoopState, given: tuple[Any, Any], donate: bool) -> LoopSt
     )
 
 
-def _rows(
-    mesh: Mesh, per_device_batch_size: int, accumulate: int, context: ContextParallel | None
-) -> int:
-    """Rows of one step's batch: split over the data axis, or whole under context parallelism."""
-    size = global_batch_size(mesh, per_device_batch_size, accumulate)
-    return size if context is None else size // mesh_shape(mesh)[0]
-
-
 def _epochs(
     train_examples: Examples | Callable[[int], Examples],
     *,
@@ -323,6 +233,81 @@ def _total_steps(
     return per_run if max_steps is None else min(max_steps, per_run)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """How long `fit` runs, what it reports, and what else runs between steps."""
+
+    n_epochs: int | None
+    max_steps: int | None
+    total: int | None  # steps, for the progress bar; None when unknown
+    on_nonfinite: str
+    log_every: int
+    sinks: list[Logger]
+    progress: bool
+    hooks: Sequence[Hook]
+    checkpointing: Checkpointing
+
+
+def _train(
+    run: _Run,
+    state: LoopState,
+    history: dict[str, Any],
+    step_fn: Callable[..., Any],
+    epoch_batches: Callable[[int, int], tuple[Iterator[Batch], int]],
+    loop: _Loop,
+    evaluate: tuple[Evaluation, Callable[..., Callable[[LoopState], Any]]] | None,
+) -> LoopState:
+    """Run the loop with `fit`'s hooks: logging, evaluation, stops, checkpoints, the user's.
+
+    `evaluate` is the evaluation and `(emit, records) -> evaluate` (`_evaluator`
+    given the rest). Fills `history` ("train", "eval", "timing") and returns the
+    last state.
+    """
+    bar = ProgressBar(loop.total, enabled=loop.progress and run.lead, completed=state.step)
+    with bar, _stop_requests(run.root is not None) as caught:
+
+        def emit(record: dict[str, Any], at: int) -> None:
+            if run.lead:
+                for sink in loop.sinks:
+                    sink(record, at)
+            bar.show(record)
+
+        buffer = MetricsBuffer(
+            emit=emit,
+            examples_per_step=run.size,
+            raise_nonfinite=loop.on_nonfinite == "raise",
+            step=state.step,
+            records=history["train"],
+        )
+        evaluating = None
+        if evaluate is not None:
+            evaluation, make = evaluate
+            evaluating = (evaluation, make(emit, history["eval"]))
+        builtin = _hooks(
+            run,
+            buffer=buffer,
+            log_every=loop.log_every,
+            evaluation=evaluating,
+            user=loop.hooks,
+            caught=caught,
+            checkpointing=loop.checkpointing,
+        )
+        try:
+            state, history["timing"] = run_loop(
+                state,
+                step_fn=step_fn,
+                epoch_batches=epoch_batches,
+                hooks=[*builtin, always(lambda s: bar.advance(s.step))],
+                n_epochs=loop.n_epochs,
+                max_steps=loop.max_steps,
+            )
+            buffer.flush(state.step)
+        finally:
+            if run.lead:
+                close_loggers(loop.sinks)
+    return state
+
+
 _P = ParamSpec("_P")
 
 
@@ -340,9 +325,7 @@ def _one_live_run(fit: Callable[_P, FitResult]) -> Callable[_P, FitResult]:
     return holding
 
 
-# Over 60 lines: the body is one sequence (options, placement, resume, the step, the
-# hooks, the loop) that reads best in one place. The signature groups the options as
-# the Args below do.
+# The signature groups the options as the Args below do.
 @_one_live_run
 def fit(
     model: PyTree,
@@ -508,10 +491,12 @@ def fit(
     _check_options(*options, resume=resume, overwrite=overwrite, **how)
     mesh = mesh or model_mesh(model) or make_mesh(1)
     context = ContextParallel(mesh) if context_parallel else None
-    size = _rows(mesh, per_device_batch_size, accumulate_grad_batches, context)
+    size = global_batch_size(
+        mesh, per_device_batch_size, accumulate_grad_batches, split_rows=context is None
+    )
     root = None if workdir is None else os.fspath(workdir)
-    run = _Run(mesh, size, seed, jax.random.key(seed), root, jax.process_index() == 0)
-    run = dataclasses.replace(run, context=context)
+    lead = jax.process_index() == 0
+    run = _Run(mesh, size, seed, jax.random.key(seed), root, lead, context=context)
     if root is not None:
         _claim_workdir(root, resume=resume, overwrite=overwrite, lead=run.lead)
     first, epoch_batches, data = _epochs(
@@ -549,56 +534,37 @@ def fit(
         jit=False,
     )
     jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
-    sinks = [*loggers] if root is None else [jsonl_logger(Path(root, "metrics.jsonl")), *loggers]
-    total = _total_steps(train_examples, n_epochs, max_steps, size)
-    with (
-        ProgressBar(total, enabled=progress and run.lead, completed=state.step) as bar,
-        _stop_requests(root is not None) as caught,
-    ):
-
-        def emit(record: dict[str, Any], at: int) -> None:
-            if run.lead:
-                for sink in sinks:
-                    sink(record, at)
-            bar.show(record)
-
-        buffer = MetricsBuffer(
-            emit=emit,
-            examples_per_step=size,
-            raise_nonfinite=on_nonfinite == "raise",
-            step=state.step,
-            records=history["train"],
+    evaluate = None
+    if evaluation is not None:
+        eval_size = global_batch_size(
+            mesh,
+            evaluation.per_device_batch_size or per_device_batch_size,
+            split_rows=context is None,
         )
-        evaluate = None
-        if evaluation is not None:
-            eval_size = _rows(
-                mesh, evaluation.per_device_batch_size or per_device_batch_size, 1, context
-            )
-            evaluate = _evaluator(
-                run, evaluation, loss_fn, collate_fn, eval_size, emit, history["eval"], precision
-            )
-        builtin = _hooks(
-            run,
-            buffer=buffer,
-            log_every=log_every,
-            evaluation=(evaluation, evaluate) if evaluation and evaluate else None,
-            user=hooks,
-            caught=caught,
-            checkpointing=checkpointing or Checkpointing(),
+        make = functools.partial(
+            _evaluator, run, evaluation, loss_fn, collate_fn, eval_size, precision=precision
         )
-        try:
-            state, history["timing"] = run_loop(
-                state,
-                step_fn=lambda m, o, b, s: jitted(m, o, b, run.key, np.int32(s)),
-                epoch_batches=epoch_batches,
-                hooks=[*builtin, always(lambda s: bar.advance(s.step))],
-                n_epochs=n_epochs,
-                max_steps=max_steps,
-            )
-            buffer.flush(state.step)
-        finally:
-            if run.lead:
-                close_loggers(sinks)
+        evaluate = (evaluation, make)
+    loop = _Loop(
+        n_epochs,
+        max_steps,
+        _total_steps(train_examples, n_epochs, max_steps, size),
+        on_nonfinite,
+        log_every,
+        [*loggers] if root is None else [jsonl_logger(Path(root, "metrics.jsonl")), *loggers],
+        progress,
+        hooks,
+        checkpointing or Checkpointing(),
+    )
+    state = _train(
+        run,
+        state,
+        history,
+        lambda m, o, b, s: jitted(m, o, b, run.key, np.int32(s)),
+        epoch_batches,
+        loop,
+        evaluate,
+    )
     _report_stop(run, state)
     if progress and run.lead:
         print(_summary(state, history, time.perf_counter() - started), flush=True)
