@@ -3,20 +3,21 @@
 On 8 simulated CPU devices at meshes (data x model) 4x2 and 2x4, bench_peer's GPT
 (vocabulary 1024, hidden 256, 4 layers, 8 heads, 128 tokens, 32 sequences of real
 text, AdamW) and a LLaMA of the same size (SwiGLU, RMSNorm, rotary positions,
-scanned layers) are stepped by `rc.train_step` without and with
-`sequence_parallel=True`. For each: steps/s (paired medians over repeats in
+scanned layers) are stepped by `rc.train_step` three ways: tensor
+parallelism alone ("TP"), with `sequence_parallel=True` ("SP", each gathered input
+gathered again in the backward pass) and with
+`sequence_parallel=rc.SequenceParallel.of(model, keep_gathered=True)` ("SP keep",
+each gathered input kept). For each: steps/s (paired medians over repeats in
 rotating order), the compiled step's temporary bytes per device, and its
-model-axis collectives from the HLO (`tests/hlo.py`):
+model-axis collectives from the HLO (`tests/hlo.py`), as the bytes each device
+sends in a ring: `2 (n-1)/n` of an all-reduce's result, `(n-1)/n` of an
+all-gather's result and of a reduce-scatter's input.
 
-- "result MB": the bytes of every collective's result, summed (bench_comm's figure);
-- "ring MB": what each device sends in a ring, `2 (n-1)/n` of an all-reduce's
-  result and `(n-1)/n` of an all-gather's, the figure link time follows.
-
-XLA:CPU has no reduce-scatter pass (GPU's `ReduceScatterCreator`): where the
-partitioner scatters a partial sum it emits an all-reduce and a slice, which the
-table counts as the all-reduce it is. So on this backend the split adds its
-all-gathers to tensor parallelism's all-reduces; on GPU the all-reduces become
-reduce-scatters of half their ring bytes.
+- "ring MB, as run": the collectives XLA:CPU runs. It has no reduce-scatter pass,
+  so a scattered partial sum runs as an all-reduce and a slice of it.
+- "ring MB, scatters as reduce-scatters": the same program with each all-reduce
+  of which every device reads only its own slice (`hlo.scattered_all_reduces`)
+  counted as the reduce-scatter XLA's GPU and TPU compilers make of it.
 
 Targets (issue 25): steps/s with the split >= 0.95 x without; model-axis bytes
 <= 1.02 x without.
@@ -50,7 +51,7 @@ import redcoast as rc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # hlo.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_peer.py
 from bench_peer import D, H, L, S, V, paired, text_ids, zoo_loss
-from hlo import collectives
+from hlo import collectives, ring_bytes, scattered_all_reduces
 
 LR = 1e-3
 
@@ -71,14 +72,10 @@ def models() -> dict[str, eqx.Module]:
     }
 
 
-def ring_bytes(op: str, nbytes: int, n: int) -> float:
-    share = (n - 1) / n
-    return {"all-reduce": 2 * share, "all-gather": share, "reduce-scatter": n - 1}.get(op, 1.0) * (
-        nbytes
-    )
+SPLITS = {"TP": False, "SP": "regather", "SP keep": "keep"}
 
 
-def row(model: eqx.Module, mesh: Any, ids: np.ndarray, split: bool) -> tuple[dict, Any]:
+def row(model: eqx.Module, mesh: Any, ids: np.ndarray, how: str | bool) -> tuple[dict, Any]:
     """The compiled step's figures, and a runner for `paired`."""
     n_model = mesh.shape["model"]
     batch = {"ids": jax.device_put(ids, NamedSharding(mesh, P("data")))}
@@ -87,17 +84,22 @@ def row(model: eqx.Module, mesh: Any, ids: np.ndarray, split: bool) -> tuple[dic
     placed = rc.place(model, mesh, example_call=lambda m: zoo_loss(m, batch, None))
     opt = optax.adamw(LR)
     state = (placed, opt.init(eqx.filter(placed, eqx.is_inexact_array)))
+    split = how and rc.SequenceParallel.of(placed, keep_gathered=how == "keep")
     step: Any = rc.train_step(zoo_loss, opt, mesh=mesh, sequence_parallel=split)
     key = jax.random.key(0)
     compiled = step.lower(*state, batch, key).compile().compiled
-    found = [c for c in collectives(compiled.as_text(), mesh) if c.axis == "model"]
+    text = compiled.as_text()
+    found = [c for c in collectives(text, mesh) if c.axis == "model"]
+    scattered = scattered_all_reduces(text)
     ops: dict[str, int] = {}
     for c in found:
-        ops[c.op] = ops.get(c.op, 0) + 1
+        op = "reduce-scatter" if c.name in scattered else c.op
+        ops[op] = ops.get(op, 0) + 1
     figures = {
         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
         "result_bytes": sum(c.nbytes for c in found),
-        "ring_bytes": sum(ring_bytes(c.op, c.nbytes, n_model) for c in found),
+        "ring_bytes": ring_bytes(found, n_model),
+        "ring_bytes_reduce_scatter": ring_bytes(found, n_model, scattered),
         "ops": ops,
     }
     holder = {"state": state}
@@ -113,6 +115,11 @@ def row(model: eqx.Module, mesh: Any, ids: np.ndarray, split: bool) -> tuple[dic
     return figures, run
 
 
+def each(figs: dict[str, dict], key: str, f: str) -> str:
+    """One figure of every split, in MB: `TP / SP / SP keep`."""
+    return " / ".join(format(figs[k][key] / 1e6, f) for k in SPLITS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="steps per timed run")
@@ -123,36 +130,38 @@ def main() -> None:
     ids = text_ids()
     results = []
     print(
-        "| model | mesh | steps/s TP | steps/s TP + SP | ratio | temp MB TP | temp MB TP + SP "
-        "| model-axis result MB TP / TP + SP | ring MB TP / TP + SP | collectives TP + SP |"
+        "| model | mesh | steps/s TP / SP / SP keep | SP ÷ TP | SP keep ÷ TP | temp MB "
+        "TP / SP / SP keep | ring MB as run, TP / SP / SP keep | ring MB, scatters as "
+        "reduce-scatters, TP / SP / SP keep | ÷ TP | collectives SP |"
     )
     print("|" + "---|" * 10)
     for name, model in models().items():
         for shape in args.meshes.split(","):
-            n_model = int(shape.split("x")[1])
-            mesh = rc.make_mesh(n_model)
-            tp, run_tp = row(model, mesh, ids, False)
-            sp, run_sp = row(model, mesh, ids, True)
-            timing = paired({"tp": run_tp, "sp": run_sp}, args.steps, args.reps, "tp")
+            mesh = rc.make_mesh(int(shape.split("x")[1]))
+            figs, runs = {}, {}
+            for label, how in SPLITS.items():
+                figs[label], runs[label] = row(model, mesh, ids, how)
+            timing = paired(runs, args.steps, args.reps, "TP")
             rate = timing["steps_per_s"]
-            ratio = 1 / timing["ratio"]["sp"]  # paired median of sp / tp
-            mb = 1e6
+            ratio = {k: 1 / v for k, v in timing["ratio"].items()}  # paired medians of x / TP
+
+            rs = {k: figs[k]["ring_bytes_reduce_scatter"] for k in SPLITS}
             print(
-                f"| {name} | {shape} | {rate['tp']:.2f} | {rate['sp']:.2f} | {ratio:.2f} "
-                f"| {tp['temp_bytes'] / mb:.1f} | {sp['temp_bytes'] / mb:.1f} "
-                f"| {tp['result_bytes'] / mb:.2f} / {sp['result_bytes'] / mb:.2f} "
-                f"| {tp['ring_bytes'] / mb:.2f} / {sp['ring_bytes'] / mb:.2f} "
-                f"| {', '.join(f'{v} {k}' for k, v in sorted(sp['ops'].items()))} |",
+                f"| {name} | {shape} | {' / '.join(f'{rate[k]:.2f}' for k in SPLITS)} "
+                f"| {ratio['SP']:.2f} | {ratio['SP keep']:.2f} | {each(figs, 'temp_bytes', '.1f')} "
+                f"| {each(figs, 'ring_bytes', '.2f')} "
+                f"| {each(figs, 'ring_bytes_reduce_scatter', '.2f')} "
+                f"| {rs['SP'] / rs['TP']:.3f} / {rs['SP keep'] / rs['TP']:.3f} "
+                f"| {', '.join(f'{v} {k}' for k, v in sorted(figs['SP']['ops'].items()))} |",
                 flush=True,
             )
             results.append(
                 {
                     "model": name,
                     "mesh": shape,
-                    "tp": tp,
-                    "tp_sp": sp,
+                    "figures": figs,
                     "steps_per_s": rate,
-                    "sp_over_tp_steps_per_s": ratio,
+                    "over_tp_steps_per_s": ratio,
                     "losses": timing["last_loss"],
                 }
             )

@@ -14,7 +14,14 @@ from collections import Counter
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["Collective", "collectives", "summarize", "weight_all_gathers"]
+__all__ = [
+    "Collective",
+    "collectives",
+    "ring_bytes",
+    "scattered_all_reduces",
+    "summarize",
+    "weight_all_gathers",
+]
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTR = re.compile(r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\(")
@@ -33,6 +40,7 @@ class Collective:
         nbytes: bytes of its result on one device.
         shape: the result type as XLA prints it.
         source: the JAX operation it came from (XLA's `op_name` metadata).
+        name: the instruction's name (`%all-reduce.3`).
     """
 
     op: str
@@ -40,6 +48,7 @@ class Collective:
     nbytes: int
     shape: str
     source: str
+    name: str = ""
 
     @property
     def dims(self) -> list[tuple[int, ...]]:
@@ -133,6 +142,7 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
         if match is None:
             continue
         source = re.search(r'op_name="([^"]*)"', line)
+        name = re.match(r"\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=", line)
         found.append(
             Collective(
                 op=match.group("op"),
@@ -140,6 +150,7 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
                 nbytes=_shape_bytes(match.group("shape")),
                 shape=match.group("shape"),
                 source=source.group(1) if source else "",
+                name=name.group(1) if name else "",
             )
         )
     return found
@@ -173,3 +184,140 @@ def weight_all_gathers(
         for c in found
         if c.op == "all-gather" and c.axis in ("model", "both") and any(d in wanted for d in c.dims)
     ]
+
+
+def ring_bytes(found: list[Collective], n: int, scattered: dict[str, int] | None = None) -> float:
+    """What each device sends when these collectives run as rings over `n` devices.
+
+    `2 (n-1)/n` of an all-reduce's result, `(n-1)/n` of an all-gather's result and
+    of a reduce-scatter's input (`n - 1` times its result); other collectives count
+    their result. The bytes `scattered` gives for an all-reduce (from
+    `scattered_all_reduces`) count as a reduce-scatter's input.
+    """
+    share = (n - 1) / n
+    scale = {"all-reduce": 2 * share, "all-gather": share, "reduce-scatter": n - 1.0}
+    total = 0.0
+    for c in found:
+        as_scatter = (scattered or {}).get(c.name, 0)
+        total += share * as_scatter + scale.get(c.op, 1.0) * (c.nbytes - as_scatter)
+    return total
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+([\w\-]+)\((.*)$")
+_HEAD = re.compile(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s.*\{\s*$")
+# Slicing commutes with these: slice(add(a, b)) = add(slice(a), slice(b)).
+_PASS_THROUGH = (
+    *("bitcast", "copy", "reshape", "get-tuple-element", "convert", "negate", "select"),
+    *("add", "subtract", "multiply", "divide", "maximum", "minimum"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+    name: str
+    op: str
+    operands: tuple[str, ...]
+    calls: str
+    index: int  # a parameter's or a tuple element's number, else -1
+    shape: str
+
+
+def _operands(rest: str) -> tuple[str, ...]:
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            end = i
+            break
+    return tuple(re.findall(r"%[\w.\-]+", rest[:end]))
+
+
+def _computations(hlo_text: str) -> dict[str, list[_Instr]]:
+    comps: dict[str, list[_Instr]] = {}
+    current: list[_Instr] | None = None
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head and not line.startswith(" "):
+            current = comps.setdefault(head.group(1), [])
+            continue
+        match = _DEF.match(line)
+        if match and current is not None:
+            calls = re.search(r"calls=(%[\w.\-]+)", line)
+            op = match.group(2)
+            if op == "parameter":
+                index = re.match(r"(\d+)\)", match.group(3))
+            else:
+                index = re.search(r"\bindex=(\d+)", line) if op == "get-tuple-element" else None
+            current.append(
+                _Instr(
+                    match.group(1),
+                    op,
+                    _operands(match.group(3)),
+                    calls.group(1) if calls else "",
+                    int(index.group(1)) if index else -1,
+                    line.split("=", 1)[1].split(f" {op}(", 1)[0],
+                )
+            )
+    return comps
+
+
+def scattered_all_reduces(hlo_text: str) -> dict[str, int]:
+    """The all-reduces of which each device reads only its own slice: reduce-scatters.
+
+    XLA's SPMD partitioner writes a scattered partial sum as an all-reduce and a
+    dynamic slice; the GPU and TPU compilers turn that pair into one reduce-scatter
+    (half an all-reduce's ring bytes), and XLA:CPU runs it as it is. An all-reduce's
+    result (or an element of a combined one's tuple) counts here when every use of
+    it, through bitcasts, copies, elementwise arithmetic (which slicing commutes
+    with) and into fusions, ends in the operand a `dynamic-slice` slices.
+
+    Args:
+        hlo_text: `compiled.as_text()`.
+
+    Returns:
+        For each such all-reduce (by `Collective.name`), the bytes of its result
+        read a slice at a time.
+    """
+    comps = _computations(hlo_text)
+    users: dict[str, dict[str, list[tuple[_Instr, int]]]] = {}
+    for comp, instrs in comps.items():
+        table = users.setdefault(comp, {})
+        for instr in instrs:
+            for i, operand in enumerate(instr.operands):
+                table.setdefault(operand, []).append((instr, i))
+
+    def parameter(comp: str, index: int) -> str | None:
+        found = [x.name for x in comps.get(comp, []) if x.op == "parameter" and x.index == index]
+        return found[0] if found else None
+
+    def sliced(comp: str, name: str, seen: int = 0) -> bool:
+        uses = users.get(comp, {}).get(name, [])
+        if not uses or seen > 32:
+            return False
+        for instr, i in uses:
+            if instr.op == "dynamic-slice" and i == 0:
+                continue
+            if instr.op in _PASS_THROUGH and sliced(comp, instr.name, seen + 1):
+                continue
+            inner = parameter(instr.calls, i) if instr.op == "fusion" else None
+            if inner is not None and sliced(instr.calls, inner, seen + 1):
+                continue
+            return False
+        return True
+
+    out: dict[str, int] = {}
+    for comp, instrs in comps.items():
+        for instr in instrs:
+            if instr.op != "all-reduce":
+                continue
+            arrays = [_shape_bytes(f"{t}[{d}]") for t, d in _ARRAY.findall(instr.shape)]
+            if len(arrays) == 1:
+                read = arrays if sliced(comp, instr.name) else []
+            else:  # a combined all-reduce: each element through its get-tuple-element
+                elements = {u.index: u.name for u, _ in users.get(comp, {}).get(instr.name, [])}
+                read = [
+                    b for k, b in enumerate(arrays) if k in elements and sliced(comp, elements[k])
+                ]
+            if read:
+                out[instr.name] = sum(read)
+    return out

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hlo import collectives, weight_all_gathers
+from hlo import collectives, ring_bytes, scattered_all_reduces, weight_all_gathers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -135,7 +135,8 @@ def steps(model: eqx.Module, loss_fn, mesh, *, fsdp: bool = False, sequence_para
     state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     # Unjitted and jitted here without donation: the models are built per test.
     step = eqx.filter_jit(rc.train_step(loss_fn, optimizer, jit=False))
-    split = rc.SequenceParallel.of(model) if sequence_parallel else False
+    keep = sequence_parallel == "keep gathered"
+    split = rc.SequenceParallel.of(model, keep_gathered=keep) if sequence_parallel else False
     if split:
         step = eqx.filter_jit(rc.train_step(loss_fn, optimizer, jit=False, sequence_parallel=split))
     losses = []
@@ -167,6 +168,12 @@ def test_sequence_parallel_step_equals_the_unsharded_step(case: str) -> None:
 def test_sequence_parallel_with_fsdp_equals_the_unsharded_step() -> None:
     want = steps(zoo("llama", True), lm_loss, None)
     got = steps(zoo("llama", True), lm_loss, rc.make_mesh(2), fsdp=True, sequence_parallel=True)
+    assert_same(got, want)
+
+
+def test_keeping_the_gathered_inputs_gives_the_same_step() -> None:
+    want = steps(zoo("llama", True), lm_loss, None)
+    got = steps(zoo("llama", True), lm_loss, rc.make_mesh(4), sequence_parallel="keep gathered")
     assert_same(got, want)
 
 
@@ -205,27 +212,67 @@ def test_where_the_split_comes_from_the_placement() -> None:
 
 def test_the_program_gathers_activations_and_keeps_fewer_bytes() -> None:
     mesh = rc.make_mesh(4)
-    model = zoo("llama", True)
     batch = jax.device_put({"ids": IDS}, NamedSharding(mesh, P("data")))
     key = jax.random.key(0)
-    placed = rc.place(model, mesh, example_call=lambda m: lm_loss(m, {"ids": IDS}, key))
+    placed = rc.place(
+        zoo("llama", True), mesh, example_call=lambda m: lm_loss(m, {"ids": IDS}, key)
+    )
     optimizer = optax.sgd(0.1)
     state = optimizer.init(eqx.filter(placed, eqx.is_inexact_array))
+    splits = {
+        "tp": False,
+        "sp": True,
+        "keep": rc.SequenceParallel.of(placed, keep_gathered=True),
+    }
     programs = {}
-    for sp in (False, True):
-        step = rc.train_step(lm_loss, optimizer, sequence_parallel=sp)
-        programs[sp] = step.lower(placed, state, batch, key).compile().compiled
-    found = {sp: collectives(p.as_text(), mesh) for sp, p in programs.items()}
-    gathers = [c for c in found[True] if c.op == "all-gather" and c.axis == "model"]
-    assert gathers and not [c for c in found[False] if c.op == "all-gather" and c.axis == "model"]
+    for name, split in splits.items():
+        step = rc.train_step(lm_loss, optimizer, sequence_parallel=split)
+        programs[name] = step.lower(placed, state, batch, key).compile().compiled
+    texts = {name: p.as_text() for name, p in programs.items()}
+    found = {
+        name: [c for c in collectives(t, mesh) if c.axis == "model"] for name, t in texts.items()
+    }
+    gathers = {name: [c for c in cs if c.op == "all-gather"] for name, cs in found.items()}
+    assert gathers["sp"] and not gathers["tp"]
+    # Keeping the gathered inputs saves the backward pass's second gathering of them.
+    assert len(gathers["keep"]) < len(gathers["sp"])
     split_shapes = [
         x.shape
         for x in jax.tree_util.tree_leaves(placed)
         if "model" in str(getattr(x, "sharding", ""))
     ]
-    assert not weight_all_gathers(found[True], split_shapes)
-    temp = {sp: p.memory_analysis().temp_size_in_bytes for sp, p in programs.items()}
-    assert temp[True] < 0.9 * temp[False]
+    assert not weight_all_gathers(found["sp"], split_shapes)
+    temp = {name: p.memory_analysis().temp_size_in_bytes for name, p in programs.items()}
+    assert temp["sp"] < 0.9 * temp["tp"]
+    assert temp["sp"] < temp["keep"]
+    # Each of tensor parallelism's all-reduces becomes a reduce-scatter and an
+    # all-gather, the same ring bytes, counting the partitioner's scattered
+    # all-reduces as the reduce-scatters GPU and TPU compilers make of them; the
+    # default gathers the inputs again on top.
+    scattered = {name: scattered_all_reduces(t) for name, t in texts.items()}
+    assert scattered["sp"] and not scattered["tp"]
+    ring = {name: ring_bytes(found[name], 4, scattered[name]) for name in texts}
+    assert ring["keep"] <= 1.02 * ring["tp"]
+    assert ring["keep"] < ring["sp"]
+
+
+def test_scattered_all_reduces_are_the_ones_read_a_slice_at_a_time() -> None:
+    mesh = rc.make_mesh(2)
+    rows = NamedSharding(mesh, P("data", "model"))
+    whole = NamedSharding(mesh, P("data", None))
+
+    def f(x: Float[Array, "b i"], w: Float[Array, "i o"]) -> tuple[Array, Array]:
+        # Two partial sums over the model axis: one read a slice at a time, one whole.
+        scattered = jax.lax.with_sharding_constraint(jnp.tanh(x @ w + 1.0), rows)
+        return scattered, jax.lax.with_sharding_constraint(x @ (2.0 * w), whole)
+
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=rows)
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P("model")))
+    text = jax.jit(f).lower(x, w).compile().as_text()
+    reduces = [c for c in collectives(text, mesh) if c.op == "all-reduce" and c.axis == "model"]
+    # XLA may combine the two into one all-reduce of a pair: half its bytes are sliced.
+    scattered = scattered_all_reduces(text)
+    assert sum(scattered.values()) == 2 * 64 * 4 == sum(c.nbytes for c in reduces) / 2
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -19,10 +19,13 @@ bytes at a width of 1024.
 
 Where to split comes from the placement the sharding rules chose: every projection
 whose weight is split on its outputs over the model axis gathers its input; every
-one split on its inputs scatters its output (`SequenceParallel.of`). The gathered
-input is not kept for the backward pass; it is gathered again there, as
-Megatron-LM does (`fsdp.remat_policy`). An embedding table split over the model
-axis gives a whole output (`WholeEmbedding`), as under tensor parallelism alone.
+one split on its inputs scatters its output (`SequenceParallel.of`). A scattered
+output's gradient is gathered once, for both the input's and the weight's
+gradient. The gathered input is not kept for the backward pass; it is gathered
+again there, as Megatron-LM does (`fsdp.remat_policy`), unless `keep_gathered`
+asks to keep it: the bytes of tensor parallelism alone, for a whole copy of each
+such input. An embedding table split over the model axis gives a whole output
+(`WholeEmbedding`), as under tensor parallelism alone.
 """
 
 from __future__ import annotations
@@ -79,11 +82,38 @@ def _features(x: Array, mesh: Mesh, entry: str | None) -> Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def _gathered(call: Callable[[Any, Array], Array], mesh: Mesh) -> Callable[[Any, Array], Array]:
+@functools.cache
+def _scatter(mesh: Mesh) -> Callable[[Array], Array]:
+    """`y` with its features split over the model axis; its cotangent is gathered once.
+
+    Left to the partitioner, the cotangent stays split and each of its two uses in
+    the projection's backward pass (the input's gradient and the weight's) gathers
+    it on its own.
+    """
+
+    @jax.custom_vjp
+    def scatter(y: Array) -> Array:
+        return _features(y, mesh, MODEL)
+
+    def forward(y: Array) -> tuple[Array, None]:
+        return scatter(y), None
+
+    def backward(_: None, g: Array) -> tuple[Array]:
+        return (_features(g, mesh, None),)
+
+    scatter.defvjp(forward, backward)
+    return scatter
+
+
+def _gathered(
+    call: Callable[[Any, Array], Array], mesh: Mesh, keep: bool
+) -> Callable[[Any, Array], Array]:
     def run(layer: Any, x: Array) -> Array:
         whole = checkpoint_name(_features(x, mesh, None), fsdp.GATHERED)
         return call(layer, whole)
 
+    if keep:  # the whole input stays for the backward pass
+        return run
     # The whole input is gathered again in the backward pass instead of being kept.
     return eqx.filter_checkpoint(run, policy=fsdp.remat_policy(), prevent_cse=False)
 
@@ -105,20 +135,25 @@ class SplitProjection(AbstractProjection):
         gather: the input arrives split over the model axis and is made whole
             (a column-split projection).
         scatter: the output leaves split over the model axis (a row-split one).
+        keep: the gathered input is kept for the backward pass, not gathered again.
     """
 
     inner: Projection
     mesh: Mesh = eqx.field(static=True)
     gather: bool = eqx.field(static=True)
     scatter: bool = eqx.field(static=True)
+    keep: bool = eqx.field(static=True, default=False)
 
     @property
     def base(self) -> eqx.nn.Linear:  # type: ignore[override]
         return _linear(self.inner)
 
     def _run(self, call: Callable[[Any, Array], Array], x: Array) -> Array:
-        y = _gathered(call, self.mesh)(self.inner, x) if self.gather else call(self.inner, x)
-        return _features(y, self.mesh, MODEL) if self.scatter else y
+        if self.gather:
+            y = _gathered(call, self.mesh, self.keep)(self.inner, x)
+        else:
+            y = call(self.inner, x)
+        return _scatter(self.mesh)(y) if self.scatter else y
 
     def __call__(
         self, x: Float[Array, "*tokens in"], *, key: PRNGKeyArray | None = None
@@ -167,6 +202,12 @@ class SequenceParallel:
         notes: projections split over the model axis that are left as they are, and why.
         embeddings: dotted paths of the `eqx.nn.Embedding`s split over the model
             axis, whose outputs are made whole (`WholeEmbedding`).
+        keep_gathered: keep each gathered input for the backward pass instead of
+            gathering it again there. It saves one all-gather per gathering
+            projection (the model-axis bytes fall to tensor parallelism's where
+            the compiler turns scattered all-reduces into reduce-scatters, as
+            XLA's GPU and TPU compilers do) and costs a whole copy of each such
+            input, as tensor parallelism keeps.
     """
 
     mesh: Mesh
@@ -174,14 +215,16 @@ class SequenceParallel:
     scatter: tuple[str, ...]
     notes: tuple[str, ...] = ()
     embeddings: tuple[str, ...] = ()
+    keep_gathered: bool = False
 
     @classmethod
-    def of(cls, model: PyTree) -> SequenceParallel:
+    def of(cls, model: PyTree, *, keep_gathered: bool = False) -> SequenceParallel:
         """Read where to split from how `model`'s projections are placed.
 
         Args:
             model: a model placed on a mesh with a model axis (`rc.place`), or its
                 `jax.ShapeDtypeStruct`s with shardings.
+            keep_gathered: see the attribute.
 
         Returns:
             The split: every `eqx.nn.Linear` (or adapter wrapping one) whose weight
@@ -243,7 +286,8 @@ class SequenceParallel:
                 f"the model's projections are placed on {len(meshes)} different meshes; "
                 "place the whole model on one (rc.place)."
             )
-        return cls(meshes.pop(), tuple(gather), tuple(scatter), tuple(notes), tuple(embeddings))
+        lists = (tuple(gather), tuple(scatter), tuple(notes), tuple(embeddings))
+        return cls(meshes.pop(), *lists, keep_gathered=keep_gathered)
 
     def __str__(self) -> str:
         lines = [
@@ -275,7 +319,11 @@ class SequenceParallel:
                 return layer
             # `base` is a property here, not the field pyright takes the AbstractVar for.
             return SplitProjection(  # pyright: ignore[reportCallIssue]
-                inner=layer, mesh=self.mesh, gather=name in gather, scatter=name in scatter
+                inner=layer,
+                mesh=self.mesh,
+                gather=name in gather,
+                scatter=name in scatter,
+                keep=self.keep_gathered,
             )
 
         return jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_layer)

@@ -425,7 +425,9 @@ def train_step(
         sequence_parallel: split the activations between tensor-parallel regions
             over the model axis too (`rc.SequenceParallel`): `True` reads where from
             the model's placement at each call; under your own `jax.jit`, pass
-            `rc.SequenceParallel.of(placed_model)` instead. Numbers are unchanged.
+            `rc.SequenceParallel.of(placed_model)` instead
+            (`keep_gathered=True` there trades memory for the backward pass's
+            second gathering of each input). Numbers are unchanged.
         context_parallel: an `rc.ContextParallel`: split every sequence of the batch
             over its mesh axis (the data axis by default, which then splits sequences
             instead of rows), the zoo's decoder attention running over the split.
