@@ -5,8 +5,9 @@ a folder of them, or a `.jsonl` of prompt/completion records (the loss then
 counts the completions only). With no arguments it runs offline: a small GPT-2
 and its BPE tokenizer pretrained on Python's documentation (built once, see
 `_pretrained.py`) are fine-tuned on another domain that ships with Python, the
-standard library's own source code (`--lora-rank 8`: rank-8 LoRA adapters only,
-merged before writing). Prints held-out perplexity before and after, optimizer
+standard library's own source code (`--lora-rank 1 --lora-table-rank 2`: LoRA
+adapters only, on every projection and on the token table that the head is tied
+to, merged before writing). Prints held-out perplexity before and after, optimizer
 state and a sample, and writes the model and tokenizer with `to_hf`.
 """
 
@@ -47,6 +48,7 @@ def main(
     max_steps: int = 150,
     learning_rate: float = 1e-3,
     lora_rank: int = 0,
+    lora_table_rank: int = 0,
     eval_rows: int = 128,
     prompt: str = "def read_file(path):\n",
     base_dir: str = "runs/finetune/base",
@@ -66,7 +68,9 @@ def main(
         per_device_batch_size: rows per data-parallel device per step.
         max_steps: optimizer steps.
         learning_rate: peak AdamW learning rate (warm-up, then cosine decay).
-        lora_rank: above 0, train LoRA adapters of this rank on every projection only.
+        lora_rank: above 0, LoRA adapters of this rank on every projection.
+        lora_table_rank: above 0, a LoRA adapter of this rank on the token table
+            (GPT-2's head reads it too). With either, only the adapters train.
         eval_rows: held-out rows (the end of the data) for the perplexity.
         prompt: the sample's prompt.
         base_dir: where the default base checkpoint is built and cached.
@@ -90,9 +94,12 @@ def main(
     train, held_out = rows[: len(rows) - eval_rows], rows[len(rows) - eval_rows :]
     before = perplexity(net, held_out, mesh, per_device_batch_size)
     full = eqx.filter(net, eqx.is_inexact_array)
+    lora = bool(lora_rank or lora_table_rank)
     if lora_rank:  # every Linear: the attention and MLP projections (GPT-2 ties its head)
         net = rc.lora.apply(net, lambda *_: True, rank=lora_rank, key=jax.random.key(1))
-    trainable = rc.lora.trainable(net) if lora_rank else None
+    if lora_table_rank:
+        net = rc.lora.apply(net, "embed_tokens", rank=lora_table_rank, key=jax.random.key(2))
+    trainable = rc.lora.trainable(net) if lora else None
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max_steps // 10, max_steps)
     optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule)
     full_mb, mb = (  # AdamW's moments: of every weight, and of the trainable ones
@@ -120,7 +127,7 @@ def main(
     sampling = {"max_new_tokens": 48, "temperature": 0.7, "eos_id": tok.eos_id}
     new = rc.models.generate(result.model, ids, key=jax.random.key(0), **sampling)
     print("sample:", repr(prompt + tok.fast.decode(np.asarray(new[0]).tolist())))
-    (rc.lora.merge(result.model) if lora_rank else result.model).to_hf(output)
+    (rc.lora.merge(result.model) if lora else result.model).to_hf(output)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (folder / name).is_file():
             shutil.copy(folder / name, Path(output) / name)

@@ -11,15 +11,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._tree_paths import leaves_with_paths, path_str
-from .models.layers import AbstractProjection, dense
+from .models.layers import AbstractProjection, AbstractTable, dense
 
-__all__ = ["LoRALinear", "apply", "lora_layers", "merge", "trainable"]
+__all__ = ["LoRAEmbedding", "LoRALinear", "apply", "lora_layers", "merge", "trainable"]
 
 Targets = str | Sequence[str] | Callable[[str, eqx.nn.Linear], bool]
-"""Which Linears `apply` wraps: globs over their dotted paths, or `(path, linear) -> bool`."""
+"""What `apply` wraps: globs over the dotted paths of Linears and embedding tables, or
+`(path, linear) -> bool` choosing among the Linears."""
 
 
 class LoRALinear(AbstractProjection):
@@ -77,10 +78,54 @@ class LoRALinear(AbstractProjection):
         return self._sum(base, dense(self.lora_b, dense(self.lora_a, self._dropped(x, None))), x)
 
 
+class LoRAEmbedding(AbstractTable):
+    """A frozen embedding table plus a trainable low-rank update: rows of `W + scale * A B`.
+
+    As PEFT's LoRA on an `nn.Embedding`: `A` starts at zero and `B` normal, and no
+    dropout. A head tied to the table (GPT-2's) sees the update too, computed as
+    `h W^T + scale * (h B^T) A^T` without forming `W + A B`.
+
+    Attributes:
+        base: the wrapped table, weight `(vocab, features)`; frozen in LoRA training.
+        lora_a: a table `vocab -> rank`, weight `(vocab, rank)` (PEFT's
+            `lora_embedding_A` transposed); zeros at first.
+        lora_b: Linear `rank -> features` without bias, weight `(features, rank)`
+            (PEFT's `lora_embedding_B`).
+        scale: `alpha / rank`.
+    """
+
+    base: eqx.nn.Embedding
+    lora_a: eqx.nn.Embedding
+    lora_b: eqx.nn.Linear
+    scale: float = eqx.field(static=True)
+
+    @property
+    def rank(self) -> int:
+        """The rank of the update."""
+        return self.lora_a.weight.shape[-1]
+
+    def __call__(
+        self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " features"]:
+        """The row of token `x`, as `eqx.nn.Embedding` (`key` is not used)."""
+        row = self.base(x)
+        update = self.lora_b.weight @ self.lora_a(x).astype(self.lora_b.weight.dtype)
+        return (row.astype(update.dtype) + self.scale * update).astype(row.dtype)
+
+    def logits(self, h: Float[Array, "*tokens features"]) -> Float[Array, "*tokens vocab"]:
+        """`h` against every row of the updated table."""
+        base = h @ self.base.weight.T
+        low = (h.astype(self.lora_b.weight.dtype) @ self.lora_b.weight) @ self.lora_a.weight.T
+        return (base.astype(low.dtype) + self.scale * low).astype(base.dtype)
+
+
+_LAYERS = eqx.nn.Linear | AbstractProjection | eqx.nn.Embedding | AbstractTable
+
+
 def _projections(model: PyTree) -> tuple[list[tuple[str, Any]], Any]:
-    """Every Linear and Linear wrapper of `model` (not looking inside them), with its path."""
+    """Every Linear, table and wrapper of either in `model` (not looking inside them)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(
-        model, is_leaf=lambda x: isinstance(x, eqx.nn.Linear | AbstractProjection)
+        model, is_leaf=lambda x: isinstance(x, _LAYERS)
     )
     return [(path_str(p), x) for p, x in flat], treedef
 
@@ -91,7 +136,7 @@ def _matches(path: str, glob: str) -> bool:
 
 
 def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
-    linears = [(p, x) for p, x in found if isinstance(x, eqx.nn.Linear)]
+    linears = [(p, x) for p, x in found if isinstance(x, eqx.nn.Linear | eqx.nn.Embedding)]
     if callable(targets):
         chosen = [isinstance(x, eqx.nn.Linear) and bool(targets(p, x)) for p, x in found]
     else:
@@ -104,19 +149,48 @@ def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
         unmatched = [g for g in globs if not any(_matches(p, g) for p, _ in linears)]
         if unmatched:
             raise ValueError(
-                f"LoRA target(s) {unmatched} match no eqx.nn.Linear of the model. Targets are "
-                f"globs over the Linears' dotted paths, such as {[p for p, _ in linears[:4]]}; "
-                "a bare name like 'q_proj' matches every path ending in it."
+                f"LoRA target(s) {unmatched} match no eqx.nn.Linear or eqx.nn.Embedding of the "
+                "model. Targets are globs over their dotted paths, such as "
+                f"{[p for p, _ in linears[:4]]}; a bare name like 'q_proj' matches every path "
+                "ending in it."
             )
         chosen = [
-            isinstance(x, eqx.nn.Linear) and any(_matches(p, g) for g in globs) for p, x in found
+            isinstance(x, eqx.nn.Linear | eqx.nn.Embedding) and any(_matches(p, g) for g in globs)
+            for p, x in found
         ]
     if not any(chosen):
         raise ValueError(
-            "targets select no eqx.nn.Linear of the model; its Linears are "
+            "targets select no eqx.nn.Linear or eqx.nn.Embedding of the model; they are "
             f"{[p for p, _ in linears[:6]]}{' ...' if len(linears) > 6 else ''}."
         )
     return chosen
+
+
+def _check_rank(path: str, rank: int, n_in: int, n_out: int, names: tuple[str, str]) -> None:
+    if rank > min(n_in, n_out):
+        raise ValueError(
+            f"LoRA rank={rank} is larger than {path}'s dimensions ({n_in} {names[0]}, {n_out} "
+            f"{names[1]}): a rank above {min(n_in, n_out)} adds parameters without adding "
+            "rank. Use a smaller rank, or leave this layer out of targets."
+        )
+
+
+def _wrap_table(
+    path: str,
+    table: eqx.nn.Embedding,
+    *,
+    rank: int,
+    alpha: float | int,
+    dtype: DTypeLike,
+    key: PRNGKeyArray,
+) -> LoRAEmbedding:
+    *layers, vocab, features = table.weight.shape
+    _check_rank(path, rank, vocab, features, ("rows", "features"))
+    # PEFT's init for embeddings: A zeros, B standard normal.
+    a = eqx.nn.Embedding(weight=jnp.zeros((*layers, vocab, rank), dtype))
+    b = eqx.nn.Linear(rank, features, use_bias=False, key=key)
+    b = eqx.tree_at(lambda m: m.weight, b, jax.random.normal(key, (*layers, features, rank), dtype))
+    return LoRAEmbedding(table, a, b, alpha / rank)
 
 
 def _wrap(
@@ -130,12 +204,7 @@ def _wrap(
     key: PRNGKeyArray,
 ) -> LoRALinear:
     *layers, n_out, n_in = linear.weight.shape
-    if rank > min(n_in, n_out):
-        raise ValueError(
-            f"LoRA rank={rank} is larger than {path}'s dimensions ({n_in} in, {n_out} out): "
-            f"a rank above min(in, out) = {min(n_in, n_out)} adds parameters without adding "
-            "rank. Use a smaller rank, or leave this layer out of targets."
-        )
+    _check_rank(path, rank, n_in, n_out, ("in", "out"))
     # PEFT's default init of A: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)).
     bound = 1.0 / math.sqrt(n_in)
     a = jax.random.uniform(key, (*layers, rank, n_in), dtype, -bound, bound)
@@ -156,18 +225,20 @@ def apply(
     dtype: DTypeLike = jnp.float32,
     key: PRNGKeyArray,
 ) -> PyTree:
-    """Wrap the Linears `targets` selects in `LoRALinear`s.
+    """Wrap the Linears `targets` selects in `LoRALinear`s, its tables in `LoRAEmbedding`s.
 
     Args:
         model: any Equinox model; its `eqx.nn.Linear` layers (the zoo's projections
-            are such Linears) can be targets.
-        targets: globs over the Linears' dotted paths (`"blocks.*.attn.q_proj"`); a
-            bare name matches every path ending in it (`["q_proj", "v_proj"]`, as
-            PEFT's `target_modules`). Or a predicate `(path, linear) -> bool`.
+            are such Linears) and `eqx.nn.Embedding` tables can be targets.
+        targets: globs over their dotted paths (`"blocks.*.attn.q_proj"`); a bare
+            name matches every path ending in it (`["q_proj", "v_proj"]`, as PEFT's
+            `target_modules`; `"embed_tokens"` for the zoo's token table). Or a
+            predicate `(path, linear) -> bool` choosing among the Linears.
         rank: the rank `r` of each update.
         alpha: the update is scaled by `alpha / rank`.
-        dropout: dropout rate on the adapters' input, as PEFT's `lora_dropout`. It
-            needs a key at call time; the zoo's models pass none, so keep 0 there.
+        dropout: dropout rate on the Linear adapters' input, as PEFT's
+            `lora_dropout` (tables have none, as in PEFT). It needs a key at call
+            time; the zoo's models pass none, so keep 0 there.
         dtype: of `lora_a` and `lora_b` (float32 by default, as PEFT keeps adapters,
             whatever the base's dtype).
         key: for `lora_a`'s random init (`lora_b` starts at zero).
@@ -176,8 +247,8 @@ def apply(
         The model with the targets wrapped; the rest is the same objects.
 
     Raises:
-        ValueError: a glob matches no Linear, the targets select none, or `rank`
-            exceeds a target's `min(in, out)`.
+        ValueError: a glob matches no Linear or table, the targets select none, or
+            `rank` exceeds a target's `min(in, out)`.
 
     Example:
         >>> model = rc.lora.apply(GPT2(config, key=k1), ["q_proj", "v_proj"], key=k2)
@@ -190,17 +261,22 @@ def apply(
     chosen = _selected(found, targets)
     keys = iter(jax.random.split(key, sum(chosen)))
     leaves = [
-        _wrap(p, x, rank=rank, alpha=alpha, dropout=dropout, dtype=dtype, key=next(keys))
-        if pick
-        else x
+        x
+        if not pick
+        else _wrap_table(p, x, rank=rank, alpha=alpha, dtype=dtype, key=next(keys))
+        if isinstance(x, eqx.nn.Embedding)
+        else _wrap(p, x, rank=rank, alpha=alpha, dropout=dropout, dtype=dtype, key=next(keys))
         for (p, x), pick in zip(found, chosen, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+_ADAPTERS = LoRALinear | LoRAEmbedding
+
+
 def _lora_layers(model: PyTree, what: str) -> tuple[list[Any], Any]:
-    leaves, treedef = jax.tree_util.tree_flatten(model, is_leaf=lambda x: isinstance(x, LoRALinear))
-    if not any(isinstance(x, LoRALinear) for x in leaves):
+    leaves, treedef = jax.tree_util.tree_flatten(model, is_leaf=lambda x: isinstance(x, _ADAPTERS))
+    if not any(isinstance(x, _ADAPTERS) for x in leaves):
         raise ValueError(f"rc.lora.{what}: the model has no LoRA layers; use rc.lora.apply first.")
     return leaves, treedef
 
@@ -226,7 +302,7 @@ def trainable(model: PyTree) -> PyTree:
     leaves, treedef = _lora_layers(model, "trainable")
 
     def mark(x: Any) -> Any:
-        if not isinstance(x, LoRALinear):
+        if not isinstance(x, _ADAPTERS):
             return jax.tree.map(lambda _: False, x)
         flags = jax.tree.map(lambda _: False, x)
         return eqx.tree_at(lambda m: (m.lora_a.weight, m.lora_b.weight), flags, (True, True))
@@ -235,7 +311,7 @@ def trainable(model: PyTree) -> PyTree:
 
 
 def merge(model: PyTree) -> PyTree:
-    """The model with every `LoRALinear` folded back into a plain Linear, `W + scale * B A`.
+    """The model with every adapter folded back: plain Linears `W + scale * B A` and tables.
 
     The sum is computed in float32 and stored in the base weight's dtype.
 
@@ -243,7 +319,8 @@ def merge(model: PyTree) -> PyTree:
         model: a model with `LoRALinear` layers.
 
     Returns:
-        The same model with plain `eqx.nn.Linear`s, e.g. for `to_hf` or serving.
+        The same model with plain `eqx.nn.Linear`s and `eqx.nn.Embedding`s, e.g.
+        for `to_hf` or serving.
 
     Example:
         >>> plain = rc.lora.merge(result.model)
@@ -251,11 +328,15 @@ def merge(model: PyTree) -> PyTree:
     leaves, treedef = _lora_layers(model, "merge")
 
     def fold(x: Any) -> Any:
-        if not isinstance(x, LoRALinear):
+        if not isinstance(x, _ADAPTERS):
             return x
         w = x.base.weight
-        update = jnp.matmul(
-            x.lora_b.weight.astype(jnp.float32), x.lora_a.weight.astype(jnp.float32)
+        a, b = x.lora_a.weight.astype(jnp.float32), x.lora_b.weight.astype(jnp.float32)
+        # (out, r) @ (r, in) for a Linear; (vocab, r) @ (r, features) for a table.
+        update = (
+            jnp.matmul(b, a)
+            if isinstance(x, LoRALinear)
+            else jnp.matmul(a, jnp.swapaxes(b, -1, -2))
         )
         merged = (w.astype(jnp.float32) + x.scale * update).astype(w.dtype)
         return eqx.tree_at(lambda m: m.weight, x.base, merged)

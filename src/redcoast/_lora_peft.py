@@ -22,7 +22,7 @@ from jax.typing import DTypeLike
 from jaxtyping import PyTree
 from safetensors.numpy import load_file, save_file
 
-from ._lora import LoRALinear, apply, lora_layers
+from ._lora import LoRAEmbedding, LoRALinear, apply, lora_layers
 from ._tree_paths import leaves_with_paths, path_str
 from .data import to_host
 from .models.hf import HFModel
@@ -121,14 +121,27 @@ def save_peft(
 
     Raises:
         TypeError: `model` is not a zoo model.
-        ValueError: no LoRA layers, layers of different ranks or alphas, or a LoRA
+        ValueError: no LoRA layers, layers of different ranks or alphas, a LoRA
             layer with no `transformers` module of its own (GPT-2's Q, K and V are
-            one fused `c_attn` there; the vocabulary head).
+            one fused `c_attn` there; the vocabulary head), or an adapted table.
 
     Example:
         >>> rc.lora.save_peft(result.model, "adapter")
         >>> peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), "adapter")
     """
+    tables = [
+        p
+        for p, x in leaves_with_paths(model, lambda x: isinstance(x, LoRAEmbedding))
+        if isinstance(x, LoRAEmbedding)
+    ]
+    if tables:
+        raise ValueError(
+            f"save_peft: {tables} adapt an embedding table, which this PEFT "
+            "export does not write: PEFT applies a table's adapter to the input alone, "
+            "while a head tied to the table (GPT-2's) sees it here too. Fold them into the "
+            "model with rc.lora.merge and save that with to_hf, or leave the tables out of "
+            "rc.lora.apply's targets."
+        )
     layers = lora_layers(model)
     if not layers:
         raise ValueError("save_peft: the model has no LoRA layers; use rc.lora.apply first.")

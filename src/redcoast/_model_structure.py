@@ -58,6 +58,9 @@ class ModelInfo:
     embeddings: set[str]
     role: dict[str, str]  # weight path -> "q" | "k" | "v" | "o"
     heads: dict[str, int]  # weight path -> number of heads its output (Q/K/V) or input (O) holds
+    # Linear weights inside a module wrapping a table as `base` (LoRA on an embedding):
+    # low-rank factors beside the table.
+    table_factors: set[str] = dataclasses.field(default_factory=set)
 
 
 def _linear_path(module: Any) -> str | None:
@@ -75,8 +78,15 @@ def model_info(model: PyTree) -> ModelInfo:
     embeddings: set[str] = set()
     role: dict[str, str] = {}
     heads: dict[str, int] = {}
+    table_factors: set[str] = set()
     for path, module in _modules(model):
         dot = f"{path}." if path else ""
+        if isinstance(getattr(module, "base", None), eqx.nn.Embedding):
+            table_factors |= {
+                f"{dot}{f.name}.weight"
+                for f in dataclasses.fields(module)
+                if isinstance(getattr(module, f.name, None), eqx.nn.Linear)
+            }
         if isinstance(module, eqx.nn.Linear):
             linear_weight[dot + "weight"] = dot + "bias" if module.bias is not None else ""
         elif isinstance(module, eqx.nn.Embedding):
@@ -94,4 +104,4 @@ def model_info(model: PyTree) -> ModelInfo:
                 count = n_kv if (r in "kv" and isinstance(n_kv, int)) else n_heads
                 if isinstance(count, int) and count > 0:
                     heads[wpath] = count
-    return ModelInfo(linear_weight, embeddings, role, heads)
+    return ModelInfo(linear_weight, embeddings, role, heads, table_factors)

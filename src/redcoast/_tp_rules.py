@@ -402,6 +402,7 @@ def plan_dataflow(
         for leaf, prim in flow.touched.items()
         if leaf not in fixed
     }
+    forced |= {i: d for i, d in _table_factors(info, index).items() if i not in fixed}
     emb = {
         i: d
         for i, d in _embedding_decisions(flow, info, paths, shapes, n).items()
@@ -470,14 +471,24 @@ def _tied_decisions(
     return tied
 
 
+def _table_factors(info: ModelInfo, index: Mapping[str, int]) -> dict[int, Decision]:
+    """LoRA on a table: its `(features, rank)` factor is replicated, its rank never split.
+
+    The rows looked up from the table and from its `(vocab, rank)` factor, both split
+    on the vocabulary, come out whole after their all-reduce; so does the update.
+    """
+    why = "low-rank factor beside a table: replicated, its rank never split"
+    return {index[p]: Decision(REP, None, why) for p in info.table_factors if p in index}
+
+
 def plan_declaration(
     info: ModelInfo, paths: list[str], shapes: list[tuple[int, ...]], n: int
 ) -> tuple[dict[int, Decision], dict[int, Decision]]:
     index = {p: i for i, p in enumerate(paths)}
-    decided: dict[int, Decision] = {}
+    decided: dict[int, Decision] = _table_factors(info, index)
     last = ROW
     for wpath in info.linear_weight:
-        if wpath not in index:
+        if wpath not in index or index[wpath] in decided:
             continue
         i = index[wpath]
         nd = len(shapes[i])

@@ -4,7 +4,9 @@
 or the zoo's projections -- in a `LoRALinear`: the frozen layer plus two small
 Linears, `lora_a` (rank x in, random) and `lora_b` (out x rank, zeros), computing
 `base(x) + (alpha / rank) * lora_b(lora_a(dropout(x)))`. `W + BA` is never formed
-in a step: the update costs two thin matmuls. `trainable` is the filter that
+in a step: the update costs two thin matmuls. An `eqx.nn.Embedding` named in the
+targets (the zoo's `"embed_tokens"`) becomes a `LoRAEmbedding`, rows of
+`W + (alpha / rank) A B`, which a head tied to the table sees too. `trainable` is the filter that
 selects the adapters (pass it as `fit(..., trainable=...)`), and `merge` folds
 them into plain Linears again.
 
@@ -21,6 +23,7 @@ Example:
     >>> plain = rc.lora.merge(result.model)
 """
 
+from ._lora import LoRAEmbedding as LoRAEmbedding
 from ._lora import LoRALinear as LoRALinear
 from ._lora import Targets as Targets
 from ._lora import apply as apply

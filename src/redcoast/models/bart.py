@@ -15,7 +15,7 @@ from .. import fsdp
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
-from .layers import MLP, activation, normalise
+from .layers import MLP, activation, normalise, tied_logits
 from .seq2seq import (
     AbstractSeq2SeqLM,
     DecoderLayer,
@@ -207,7 +207,7 @@ class BART(AbstractSeq2SeqLM):
     def _head(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
         use = fsdp.layouts(self)
         table = fsdp.gather(self.embed_tokens, use.embed_tokens)
-        return x @ table.weight.T + fsdp.gather(self.final_logits_bias, use.final_logits_bias)
+        return tied_logits(table, x) + fsdp.gather(self.final_logits_bias, use.final_logits_bias)
 
     @classmethod
     def hf_tensors(cls, config: BARTConfig) -> list[hf.TensorMap]:

@@ -23,7 +23,7 @@ from ..rematerialisation import RematPolicy
 from . import hf
 from ._stack import run_stack
 from .checks import check_range
-from .layers import DecoderBlock, KVCache, Norm, normalise
+from .layers import DecoderBlock, KVCache, Norm, normalise, table_dtype, tied_logits
 
 Blocks = tuple[DecoderBlock, ...] | DecoderBlock
 """The layers: a tuple, or one `DecoderBlock` whose arrays have a leading layer axis."""
@@ -182,7 +182,7 @@ class AbstractCausalLM(hf.HFModel, fsdp.FSDPModule):
         Returns:
             One `KVCache` per layer (a tuple), or one stacked `KVCache` for scanned layers.
         """
-        dtype = self.embed_tokens.weight.dtype if dtype is None else dtype
+        dtype = table_dtype(self.embed_tokens) if dtype is None else dtype
         if isinstance(self.blocks, DecoderBlock):
             return eqx.filter_vmap(lambda b: b.attn.init_cache(max_len, dtype))(self.blocks)
         return tuple(b.attn.init_cache(max_len, dtype) for b in self.blocks)
@@ -210,7 +210,7 @@ class AbstractCausalLM(hf.HFModel, fsdp.FSDPModule):
         use = fsdp.layouts(self)
         h = normalise(fsdp.gather(self.norm, use.norm), x)
         if self.lm_head is None:
-            logits = h @ fsdp.gather(self.embed_tokens, use.embed_tokens).weight.T
+            logits = tied_logits(fsdp.gather(self.embed_tokens, use.embed_tokens), h)
         else:
             logits = jax.vmap(fsdp.gather(self.lm_head, use.lm_head))(h)
         # The head's matmul runs in the parameters' dtype; the loss on its output in float32.

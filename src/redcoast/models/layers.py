@@ -85,6 +85,39 @@ class AbstractProjection(eqx.Module):
         """The module on every row of `x` (features last)."""
 
 
+class AbstractTable(eqx.Module):
+    """A module that stands where a model has its token table, wrapping one (`base`).
+
+    Called on one id as `eqx.nn.Embedding` is; `logits` stands for the table as an
+    output head tied to it, so a wrapper such as `rc.lora.LoRAEmbedding` changes
+    the input and the tied head alike.
+    """
+
+    base: eqx.AbstractVar[eqx.nn.Embedding]
+
+    @abc.abstractmethod
+    def __call__(
+        self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " features"]:
+        """The row of token `x`."""
+
+    @abc.abstractmethod
+    def logits(self, h: Float[Array, "*tokens features"]) -> Float[Array, "*tokens vocab"]:
+        """`h` against every row: the logits of a head tied to the table."""
+
+
+def tied_logits(
+    table: eqx.nn.Embedding | AbstractTable, h: Float[Array, "*tokens features"]
+) -> Float[Array, "*tokens vocab"]:
+    """The logits of an output head tied to `table`: `h` against each of its rows."""
+    return table.logits(h) if isinstance(table, AbstractTable) else h @ table.weight.T
+
+
+def table_dtype(table: eqx.nn.Embedding | AbstractTable) -> DTypeLike:
+    """The dtype of the token table (the wrapped one's, for an `AbstractTable`)."""
+    return (table.base if isinstance(table, AbstractTable) else table).weight.dtype
+
+
 def dense(
     layer: eqx.nn.Linear | AbstractProjection, x: Float[Array, "*tokens in"]
 ) -> Float[Array, "*tokens out"]:

@@ -30,7 +30,7 @@ from ..rematerialisation import RematPolicy, recomputed
 from . import hf
 from ._stack import Stack, run_stack
 from .checks import check_range
-from .layers import MLP, KVCache, Norm, SwiGLU, normalise
+from .layers import MLP, KVCache, Norm, SwiGLU, normalise, table_dtype
 
 
 class Seq2SeqAttention(eqx.Module):
@@ -390,7 +390,7 @@ class AbstractSeq2SeqLM(hf.HFModel, fsdp.FSDPModule):
         Returns:
             One `KVCache` per decoder layer (a tuple), or one stacked `KVCache`.
         """
-        dtype = self.embed_tokens.weight.dtype if dtype is None else dtype
+        dtype = table_dtype(self.embed_tokens) if dtype is None else dtype
 
         def empty(block: DecoderLayer) -> KVCache:
             shape = (max_len, block.attn.num_heads, block.attn.head_dim)

@@ -14,7 +14,7 @@ from .. import fsdp
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
-from .layers import MLP, SwiGLU, activation, normalise
+from .layers import MLP, SwiGLU, activation, normalise, tied_logits
 from .seq2seq import (
     AbstractSeq2SeqLM,
     DecoderLayer,
@@ -258,7 +258,7 @@ class T5(AbstractSeq2SeqLM):
         use = fsdp.layouts(self)
         if self.lm_head is not None:
             return jax.vmap(fsdp.gather(self.lm_head, use.lm_head))(x)
-        return x @ fsdp.gather(self.embed_tokens, use.embed_tokens).weight.T
+        return tied_logits(fsdp.gather(self.embed_tokens, use.embed_tokens), x)
 
     @classmethod
     def hf_tensors(cls, config: T5Config) -> list[hf.TensorMap]:
