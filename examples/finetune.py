@@ -5,9 +5,9 @@ a folder of them, or a `.jsonl` of prompt/completion records (the loss then
 counts the completions only). With no arguments it runs offline: a small GPT-2
 and its BPE tokenizer pretrained on Python's documentation (built once, see
 `_pretrained.py`) are fine-tuned on another domain that ships with Python, the
-standard library's own source code (`--lora-rank 1 --lora-table-rank 2`: LoRA
-adapters only, on every projection and on the token table that the head is tied
-to, merged before writing). Prints held-out perplexity before and after, optimizer
+standard library's own source code (`--lora-table-rank 2`, `--lora-rank R`: LoRA
+adapters only, on the token table that the head is tied to and on every
+projection, merged before writing). Prints held-out perplexity before and after, optimizer
 state and a sample, and writes the model and tokenizer with `to_hf`.
 """
 

@@ -111,6 +111,8 @@ def test_finetune_hands_back_a_folder_transformers_generates_from(data, lora_ran
     args = ["run", "finetune", "--model", str(base), "--data", str(source), "--seq-len", "32"]
     args += ["--max-steps", "3", "--eval-rows", "16", "--per-device-batch-size", "2"]
     args += ["--output", str(out), "--metrics-json", str(metrics), "--lora-rank", str(lora_rank)]
+    if lora_rank:  # the tied token table too: merged, transformers reads it as its head
+        args += ["--lora-table-rank", "2"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "held-out perplexity" in result.output and "sample:" in result.output
