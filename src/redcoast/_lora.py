@@ -241,7 +241,8 @@ def apply(
             time; the zoo's models pass none, so keep 0 there.
         dtype: of `lora_a` and `lora_b` (float32 by default, as PEFT keeps adapters,
             whatever the base's dtype).
-        key: for `lora_a`'s random init (`lora_b` starts at zero).
+        key: for the random factor's init (a Linear's `lora_a`, a table's
+            `lora_b`; the other starts at zero).
 
     Returns:
         The model with the targets wrapped; the rest is the same objects.
@@ -316,7 +317,7 @@ def merge(model: PyTree) -> PyTree:
     The sum is computed in float32 and stored in the base weight's dtype.
 
     Args:
-        model: a model with `LoRALinear` layers.
+        model: a model with `LoRALinear` or `LoRAEmbedding` layers.
 
     Returns:
         The same model with plain `eqx.nn.Linear`s and `eqx.nn.Embedding`s, e.g.

@@ -123,7 +123,8 @@ def save_peft(
         TypeError: `model` is not a zoo model.
         ValueError: no LoRA layers, layers of different ranks or alphas, a LoRA
             layer with no `transformers` module of its own (GPT-2's Q, K and V are
-            one fused `c_attn` there; the vocabulary head), or an adapted table.
+            one fused `c_attn` there; the vocabulary head), or an adapted table
+            (`LoRAEmbedding`).
 
     Example:
         >>> rc.lora.save_peft(result.model, "adapter")
@@ -136,11 +137,9 @@ def save_peft(
     ]
     if tables:
         raise ValueError(
-            f"save_peft: {tables} adapt an embedding table, which this PEFT "
-            "export does not write: PEFT applies a table's adapter to the input alone, "
-            "while a head tied to the table (GPT-2's) sees it here too. Fold them into the "
-            "model with rc.lora.merge and save that with to_hf, or leave the tables out of "
-            "rc.lora.apply's targets."
+            f"save_peft writes the adapters of Linears, and {tables} adapt an embedding "
+            "table. Fold them into the model with rc.lora.merge and save that with to_hf, "
+            "or leave the tables out of rc.lora.apply's targets."
         )
     layers = lora_layers(model)
     if not layers:

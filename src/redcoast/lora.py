@@ -6,9 +6,9 @@ Linears, `lora_a` (rank x in, random) and `lora_b` (out x rank, zeros), computin
 `base(x) + (alpha / rank) * lora_b(lora_a(dropout(x)))`. `W + BA` is never formed
 in a step: the update costs two thin matmuls. An `eqx.nn.Embedding` named in the
 targets (the zoo's `"embed_tokens"`) becomes a `LoRAEmbedding`, rows of
-`W + (alpha / rank) A B`, which a head tied to the table sees too. `trainable` is the filter that
-selects the adapters (pass it as `fit(..., trainable=...)`), and `merge` folds
-them into plain Linears again.
+`W + (alpha / rank) A B`, which a head tied to the table sees too. `trainable` is
+the filter that selects the adapters (pass it as `fit(..., trainable=...)`), and
+`merge` folds them into plain Linears and tables again.
 
 LoRA knows nothing of sharding: the sharding rules see `lora_a` and `lora_b` as
 Linears in the dataflow, and place them with their base (see `rc.sharding_plan`).
