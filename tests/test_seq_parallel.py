@@ -312,6 +312,20 @@ def test_options_that_cannot_split_are_refused() -> None:
         )
     with pytest.raises(TypeError, match="sequence_parallel"):
         rc.predict_step(lm_loss, sequence_parallel="yes")  # type: ignore[arg-type]
+    # fit's signature is checked where it is called: the error names the values it takes.
+    with pytest.raises(
+        TypeError, match=r"parameter 'sequence_parallel'(.|\n)*Literal\['keep gathered'\]"
+    ):
+        rc.fit(
+            zoo("gpt2", False),
+            optax.sgd(0.1),
+            [{"ids": np.asarray(IDS[0])}],
+            collate_fn=lambda rows: {"ids": np.stack([r["ids"] for r in rows])},
+            loss_fn=lm_loss,
+            per_device_batch_size=1,
+            max_steps=1,
+            sequence_parallel="keep",  # type: ignore[arg-type]
+        )
 
 
 def test_features_that_do_not_divide_are_left_and_noted() -> None:
@@ -346,7 +360,7 @@ def test_fit_evaluate_and_predict_with_the_split_equal_them_without() -> None:
         return jax.vmap(model)(batch["ids"]).argmax(-1)
 
     runs = {}
-    for sp in (False, True):
+    for sp in (False, True, "keep gathered"):
         mesh = rc.make_mesh(4)
         result = rc.fit(
             zoo("gpt2", False),
@@ -368,16 +382,17 @@ def test_fit_evaluate_and_predict_with_the_split_equal_them_without() -> None:
             collate_fn=collate,
             pred_fn=pred_fn,
             per_device_batch_size=1,
-            sequence_parallel=sp,
+            sequence_parallel=bool(sp),
         )
         runs[sp] = (result.history, preds)
-    (want, want_preds), (got, got_preds) = runs[False], runs[True]
-    for key in ("train", "eval"):
-        for g, w in zip(got[key], want[key], strict=True):
-            np.testing.assert_allclose(
-                g["loss" if key == "train" else "eval_loss"],
-                w["loss" if key == "train" else "eval_loss"],
-                rtol=1e-5,
-            )
-    for g, w in zip(got_preds, want_preds, strict=True):
-        np.testing.assert_array_equal(g, w)
+    want, want_preds = runs[False]
+    for got, got_preds in (runs[True], runs["keep gathered"]):
+        for key in ("train", "eval"):
+            for g, w in zip(got[key], want[key], strict=True):
+                np.testing.assert_allclose(
+                    g["loss" if key == "train" else "eval_loss"],
+                    w["loss" if key == "train" else "eval_loss"],
+                    rtol=1e-5,
+                )
+        for g, w in zip(got_preds, want_preds, strict=True):
+            np.testing.assert_array_equal(g, w)

@@ -47,7 +47,10 @@ from ._tree_paths import path_str
 from .mesh import MODEL, mesh_shape
 from .models.layers import AbstractProjection, dense
 
-__all__ = ["SequenceParallel", "SplitProjection", "WholeEmbedding"]
+__all__ = ["KEEP_GATHERED", "SequenceParallel", "SplitProjection", "WholeEmbedding"]
+
+KEEP_GATHERED = "keep gathered"
+"""`fit(sequence_parallel=...)`'s value for a split that keeps each gathered input."""
 
 Projection = eqx.nn.Linear | AbstractProjection
 

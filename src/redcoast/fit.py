@@ -36,7 +36,7 @@ from ._evaluator import evaluator as _evaluator
 from ._fit_hooks import fit_hooks as _hooks
 from ._resume import Run as _Run
 from ._resume import resume as _resume
-from ._seq_parallel import SequenceParallel
+from ._seq_parallel import KEEP_GATHERED, SequenceParallel
 from ._signals import stop_requests as _stop_requests
 from .checkpoint import fingerprint, step_checkpoint_path
 from .data import (
@@ -346,7 +346,7 @@ def fit(
     # Where: the devices, the split, and whose arrays.
     mesh: Mesh | None = None,
     fsdp: bool = False,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | Literal["keep gathered"] = False,
     context_parallel: bool = False,
     data_parallel: Literal["jit", "shard_map"] = "jit",
     opt_state: PyTree | None = None,
@@ -440,7 +440,9 @@ def fit(
             `sharded_init`, say) keeps its layout.
         sequence_parallel: split the activations between tensor-parallel regions
             over the model axis as well (`rc.SequenceParallel`), in training and
-            evaluation; needs a mesh with a model axis > 1.
+            evaluation; needs a mesh with a model axis > 1. `"keep gathered"`
+            keeps each gathered input for the backward pass instead of gathering
+            it again: fewer model-axis bytes, more memory (`keep_gathered`).
         context_parallel: split every sequence over the data axis instead of the
             rows (`rc.ContextParallel`), in training and evaluation: each step's
             `per_device_batch_size * accumulate_grad_batches` rows reach every
@@ -507,7 +509,8 @@ def fit(
     if precision == "pure-bf16":
         placed = cast(placed, param_dtype(precision))
     if sequence_parallel:
-        run = dataclasses.replace(run, split=SequenceParallel.of(placed))
+        keep = sequence_parallel == KEEP_GATHERED
+        run = dataclasses.replace(run, split=SequenceParallel.of(placed, keep_gathered=keep))
     mask = trainable_mask(placed, trainable)
     if trainable is not None:
         frozen = fingerprint(eqx.filter(placed, frozen_mask(placed, mask)))
