@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, ParamSpec
 
-import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -34,17 +33,16 @@ from ._ckpt_run import Checkpointing as Checkpointing
 from ._context_parallel import ContextParallel
 from ._evaluator import evaluator as _evaluator
 from ._fit_hooks import fit_hooks as _hooks
+from ._fit_setup import check_options as _check_options
+from ._fit_setup import start as _start
 from ._resume import Run as _Run
-from ._resume import resume as _resume
-from ._seq_parallel import KEEP_GATHERED, SequenceParallel
 from ._signals import stop_requests as _stop_requests
-from .checkpoint import fingerprint, step_checkpoint_path
+from .checkpoint import step_checkpoint_path
 from .data import (
     Batch,
     CollateFn,
     Examples,
     batches,
-    check_positive,
     global_batch_size,
     order_fingerprint,
 )
@@ -52,10 +50,9 @@ from .evaluate import Evaluation, check_examples
 from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
 from .loop import Hook, LoopState, always, run_loop
 from .mesh import make_mesh, mesh_shape
-from .place import model_mesh, own_copy, place, release, replicate_strays
-from .precision import cast, check_precision, param_dtype
+from .place import model_mesh
 from .step import LossFn, donating_jit, train_step
-from .trainable import Trainable, frozen_mask, trainable_mask
+from .trainable import Trainable
 from .workdir import claim_workdir as _claim_workdir
 from .workdir import hold_workdir
 
@@ -86,9 +83,6 @@ class FitResult:
     stopped_by: str | None = None
 
 
-# ----------------------------------------------------------------------------- predict
-
-
 # ----------------------------------------------------------------------------- fit
 
 
@@ -114,53 +108,6 @@ def _summary(state: LoopState, history: dict[str, Any], seconds: float) -> str:
         parts += [f"{k} {v:.4g}" for k, v in evals.items() if k.startswith("eval_")]
     metrics = f": {', '.join(parts)}" if parts else ""
     return f"redcoast: {state.step} steps in {seconds:.1f} s{metrics}"
-
-
-def _check_options(
-    n_epochs: int | None,
-    max_steps: int | None,
-    log_every: int,
-    on_nonfinite: str,
-    workdir: Any,
-    checkpointing: Checkpointing | None,
-    *,
-    resume: bool,
-    overwrite: bool,
-    precision: str,
-    data_parallel: str,
-    fsdp: bool,
-) -> None:
-    check_precision(precision)
-    if data_parallel == "shard_map" and fsdp:
-        raise ValueError(
-            "data_parallel='shard_map' keeps a whole copy of the model on every device, "
-            "and fsdp=True splits it over the data axis: use one or the other."
-        )
-    if n_epochs is None and max_steps is None:
-        raise ValueError("fit needs n_epochs or max_steps (or both) to know when to stop.")
-    check_positive("n_epochs", n_epochs)
-    check_positive("max_steps", max_steps)
-    check_positive("log_every", log_every, optional=False)
-    if on_nonfinite not in ("raise", "skip"):
-        raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
-    if workdir is None:
-        for name, value in (
-            ("checkpointing", checkpointing),
-            ("resume", resume),
-            ("overwrite", overwrite),
-        ):
-            if value:
-                raise ValueError(f"{name} needs a workdir to keep checkpoints in; pass workdir=.")
-
-
-def _hand_over(state: LoopState, given: tuple[Any, Any], donate: bool) -> LoopState:
-    """The state the step may donate: the caller's own buffers only when handed over."""
-    if donate:
-        release(given, keep=(state.model, state.opt_state))
-        return state
-    return dataclasses.replace(
-        state, model=own_copy(state.model, given), opt_state=own_copy(state.opt_state, given)
-    )
 
 
 def _epochs(
@@ -309,6 +256,18 @@ def _train(
 
 
 _P = ParamSpec("_P")
+
+
+def _finish(
+    run: _Run, state: LoopState, history: dict[str, Any], progress: bool, seconds: float
+) -> FitResult:
+    """The result, after reporting how the run stopped (and a summary line)."""
+    _report_stop(run, state)
+    if progress and run.lead:
+        print(_summary(state, history, seconds), flush=True)
+    if state.best is not None and (state.best.value is not None or history["eval"]):
+        history["best"] = dataclasses.asdict(state.best)
+    return FitResult(state.model, state.opt_state, state.step, history, stopped_by=state.stop)
 
 
 def _one_live_run(fit: Callable[_P, FitResult]) -> Callable[_P, FitResult]:
@@ -505,23 +464,19 @@ def fit(
         train_examples, collate_fn=collate_fn, run=run, size=size, seed=seed
     )
     run = dataclasses.replace(run, data=data)
-    placed = place(model, mesh, example_call=lambda m: loss_fn(m, first.arrays, run.key), fsdp=fsdp)
-    if precision == "pure-bf16":
-        placed = cast(placed, param_dtype(precision))
-    if sequence_parallel:
-        keep = sequence_parallel == KEEP_GATHERED
-        run = dataclasses.replace(run, split=SequenceParallel.of(placed, keep_gathered=keep))
-    mask = trainable_mask(placed, trainable)
-    if trainable is not None:
-        frozen = fingerprint(eqx.filter(placed, frozen_mask(placed, mask)))
-        run = dataclasses.replace(run, trainable=mask, frozen=frozen)
-    opt = optimizer.init(eqx.filter(placed, mask)) if opt_state is None else opt_state
-    best = None if evaluation is None else evaluation.best()
-    state = LoopState(placed, replicate_strays(opt, mesh), best=best)
-    history: dict[str, Any] = {"train": [], "eval": []}
-    if resume:
-        state, history = _resume(run, state)
-    state = _hand_over(state, (model, opt_state), donate)
+    run, state, history, mask = _start(
+        (model, opt_state),
+        optimizer,
+        run,
+        lambda m: loss_fn(m, first.arrays, run.key),
+        fsdp=fsdp,
+        precision=precision,
+        sequence_parallel=sequence_parallel,
+        trainable=trainable,
+        evaluation=evaluation,
+        resume=resume,
+        donate=donate,
+    )
     core = train_step(
         loss_fn,
         optimizer,
@@ -539,11 +494,8 @@ def fit(
     jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
     evaluate = None
     if evaluation is not None:
-        eval_size = global_batch_size(
-            mesh,
-            evaluation.per_device_batch_size or per_device_batch_size,
-            split_rows=context is None,
-        )
+        per_device = evaluation.per_device_batch_size or per_device_batch_size
+        eval_size = global_batch_size(mesh, per_device, split_rows=context is None)
         make = functools.partial(
             _evaluator, run, evaluation, loss_fn, collate_fn, eval_size, precision=precision
         )
@@ -568,9 +520,4 @@ def fit(
         loop,
         evaluate,
     )
-    _report_stop(run, state)
-    if progress and run.lead:
-        print(_summary(state, history, time.perf_counter() - started), flush=True)
-    if state.best is not None and (state.best.value is not None or history["eval"]):
-        history["best"] = dataclasses.asdict(state.best)
-    return FitResult(state.model, state.opt_state, state.step, history, stopped_by=state.stop)
+    return _finish(run, state, history, progress, time.perf_counter() - started)
