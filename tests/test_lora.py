@@ -1,5 +1,9 @@
 """Training part of a model: the trainable filter, its checkpoints, and LoRA adapters."""
 
+import json
+import math
+import shutil
+
 import chex
 import equinox as eqx
 import jax
@@ -360,6 +364,99 @@ def test_lora_bad_input():
         lora.hidden.over_tokens(jnp.ones((3, 32)))
     assert lora.hidden(jnp.ones(32), key=jax.random.key(0)).shape == (32,)
     assert eqx.nn.inference_mode(lora).hidden.over_tokens(jnp.ones((3, 32))).shape == (3, 32)
+
+
+@pytest.mark.parametrize("alpha", [0, -2.0, math.nan, math.inf, -math.inf, True])
+def test_lora_alpha_must_be_a_finite_number_above_zero(alpha):
+    # alpha=0 trained nothing without a word; nan or inf showed as a nan loss at step 1.
+    model = MLP(key=jax.random.key(0))
+    with pytest.raises(ValueError, match=rf"alpha must be a finite number > 0.*got {alpha!r}"):
+        rc.lora.apply(model, "hidden", alpha=alpha, key=jax.random.key(0))
+    small = rc.lora.apply(model, "hidden", rank=4, alpha=0.5, key=jax.random.key(0))
+    assert small.hidden.scale == 0.125
+
+
+def test_applying_lora_twice_says_the_model_is_already_adapted():
+    model = MLP(key=jax.random.key(0))
+    lora = rc.lora.apply(model, ["inp", "hidden"], rank=4, key=jax.random.key(1))
+    for targets in ("hidden", ["inp", "hidden"], lambda path, linear: linear.out_features == 32):
+        with pytest.raises(ValueError, match=r"\['inp', 'hidden'\]|\['hidden'\]") as err:
+            rc.lora.apply(lora, targets, key=jax.random.key(2))
+        assert "already carry LoRA adapters" in str(err.value)
+        assert "rc.lora.merge" in str(err.value) and "match no" not in str(err.value)
+    # The layers not adapted yet can still be.
+    more = rc.lora.apply(lora, "out", rank=2, key=jax.random.key(2))
+    assert isinstance(more.out, rc.lora.LoRALinear) and more.inp is lora.inp
+    # And the merged model is a base model again.
+    again = rc.lora.apply(rc.lora.merge(lora), "hidden", rank=4, key=jax.random.key(2))
+    assert isinstance(again.hidden, rc.lora.LoRALinear)
+
+
+def _lora_mlp(rank=2, alpha=8, dropout=0.0, targets=("inp", "hidden")):
+    model = MLP(key=jax.random.key(0))
+    kw = {"rank": rank, "alpha": alpha, "dropout": dropout}
+    return rc.lora.apply(model, list(targets), **kw, key=jax.random.key(1))
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["trainable", "whole_model"])
+def test_resuming_lora_with_another_alpha_rank_dropout_or_targets_is_refused(tmp_path, partial):
+    """A LoRA layer's scale is static and its dropout rate a float: neither is in the
+    checkpoint's arrays, nor in the frozen base's fingerprint."""
+
+    def run(model, **kw):
+        return _fit(model, rc.lora.trainable(model) if partial else None, **kw)
+
+    straight = run(_lora_mlp(), max_steps=4)
+    run(_lora_mlp(), max_steps=2, workdir=tmp_path)
+    for changed, says in [
+        (
+            {"alpha": 16},
+            r"inp: saved LoRALinear rank 2, alpha 8, dropout 0, now LoRALinear "
+            r"rank 2, alpha 16, dropout 0; hidden: saved",
+        ),
+        (
+            {"rank": 1, "alpha": 4},
+            r"hidden: saved LoRALinear rank 2, alpha 8, dropout 0, now "
+            r"LoRALinear rank 1, alpha 4",
+        ),
+        ({"dropout": 0.1}, r"alpha 8, dropout 0, now LoRALinear rank 2, alpha 8, dropout 0.1"),
+        ({"targets": ("inp",)}, r"adapted when saved, not now: \['hidden'\]"),
+        ({"targets": ("inp", "hidden", "out")}, r"adapted now, not when saved: \['out'\]"),
+    ]:
+        with pytest.raises(ValueError, match=says) as err:
+            run(_lora_mlp(**changed), max_steps=4, workdir=tmp_path, resume=True)
+        message = str(err.value)
+        assert "LoRA adapters are not the ones it was saved with" in message
+        assert "rc.lora.apply with the same targets, rank, alpha and dropout" in message
+    # What state.json records of them.
+    recorded = checkpoint_state(tmp_path / "ckpts" / "step_00000002")["loop"]["lora"]
+    assert recorded["layers"]["inp"] == {
+        "kind": "LoRALinear",
+        "rank": 2,
+        "scale": 4.0,
+        "dropout": 0.0,
+    }
+    assert recorded["summary"] == "inp, hidden (LoRALinear rank 2, alpha 8, dropout 0)"
+    # A checkpoint from before redcoast recorded the adapters resumes as it did.
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "ckpts", old / "ckpts")
+    state_file = old / "ckpts" / "step_00000002" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["loop"]["lora"]
+    state_file.write_text(json.dumps(state))
+    assert run(_lora_mlp(), max_steps=4, workdir=old, resume=True).step == 4
+    # The same adapters resume step-exactly.
+    resumed = run(_lora_mlp(), max_steps=4, workdir=tmp_path, resume=True)
+    assert resumed.step == 4
+    chex.assert_trees_all_equal(_arrays(resumed.model), _arrays(straight.model))
+    chex.assert_trees_all_equal(resumed.opt_state, straight.opt_state)
+
+
+def test_resuming_a_run_without_adapters_with_them_is_refused(tmp_path):
+    _fit(MLP(key=jax.random.key(0)), None, max_steps=2, workdir=tmp_path)
+    assert checkpoint_state(tmp_path / "ckpts" / "step_00000002")["loop"]["lora"] is None
+    with pytest.raises(ValueError, match=r"saved with no adapters, now inp, hidden \(LoRALinear"):
+        _fit(_lora_mlp(), None, max_steps=4, workdir=tmp_path, resume=True)
 
 
 # ----------------------------------------------------------------------------- adapters split

@@ -135,3 +135,98 @@ def test_peft_bad_input(tmp_path):
             ),
             tmp_path / "y",
         )
+
+
+def _llama_base(folder, layers):
+    torch.manual_seed(0)
+    config = hf_decoder_config("llama", vocab=VOCAB, width=32)
+    config.num_hidden_layers = layers
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.eval().save_pretrained(folder)
+    return model
+
+
+def _peft_adapter(hf_model, folder, **kw):
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **kw)
+    peft.get_peft_model(hf_model, config).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["layers", "scanned"])
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "v_proj"], r".*\.self_attn\.(q|v)_proj"], ids=["names", "regex"]
+)
+def test_a_peft_adapter_of_a_shallower_model_is_refused(tmp_path, targets, scan_layers):
+    _peft_adapter(_llama_base(tmp_path / "two", 2), tmp_path / "adapter", target_modules=targets)
+    _llama_base(tmp_path / "three", 3)
+    deeper = rc.models.from_hf(tmp_path / "three", scan_layers=scan_layers)
+    with pytest.raises(ValueError, match="selects 2 module") as err:
+        rc.lora.load_peft(deeper, tmp_path / "adapter")
+    message = str(err.value)
+    assert "['model.layers.2.self_attn.q_proj', 'model.layers.2.self_attn.v_proj']" in message
+    assert "load it onto the model it was trained on" in message.lower()
+    # Onto its own 2-layer base it loads.
+    two = rc.lora.load_peft(rc.models.from_hf(tmp_path / "two"), tmp_path / "adapter")
+    assert isinstance(two.blocks[1].attn.v_proj, rc.lora.LoRALinear)
+
+
+def test_a_peft_adapter_on_some_layers_loads_onto_those_layers(tmp_path):
+    """What the config does not select may lack tensors: `layers_to_transform` and a
+    regular expression naming layers leave the others plain, as in PEFT."""
+    _llama_base(tmp_path / "base", 3)
+
+    def fresh():
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+
+    kinds = {
+        "layers_to_transform": {
+            "target_modules": ["q_proj", "v_proj"],
+            "layers_to_transform": [0, 2],
+        },
+        "regex": {"target_modules": r"model\.layers\.[02]\.self_attn\.(q|v)_proj"},
+    }
+    for name, kw in kinds.items():
+        _peft_adapter(fresh(), tmp_path / name, **kw)
+        theirs = peft.PeftModel.from_pretrained(fresh(), tmp_path / name).eval()
+        ours = rc.lora.load_peft(rc.models.from_hf(tmp_path / "base"), tmp_path / name)
+        adapted = [isinstance(b.attn.q_proj, rc.lora.LoRALinear) for b in ours.blocks]
+        assert adapted == [True, False, True], name
+        got = np.asarray(_logits(ours))
+        assert np.abs(got - _torch_logits(theirs)).max() <= 1e-4
+        assert np.abs(got - _torch_logits(fresh())).max() > 1e-3  # the adapter is used
+    # Scanned layers hold one adapter for all of them: a clear error, not a plain layer.
+    scanned = rc.models.from_hf(tmp_path / "base", scan_layers=True)
+    with pytest.raises(ValueError, match=r"missing for layer\(s\) \[1\].*scan_layers=False"):
+        rc.lora.load_peft(scanned, tmp_path / "regex")
+
+
+@pytest.mark.parametrize("alpha", [0, -8, "NaN", "Infinity"])
+def test_peft_lora_alpha_must_be_a_finite_number_above_zero(tmp_path, alpha):
+    _base("gpt2", tmp_path / "base")
+    gpt2 = rc.models.from_hf(tmp_path / "base")
+    rc.lora.save_peft(rc.lora.apply(gpt2, ["fc_in"], rank=2, key=jax.random.key(0)), tmp_path / "a")
+    path = tmp_path / "a" / "adapter_config.json"
+    # JSON's own text for them: Python's json reads NaN and Infinity as floats.
+    text = path.read_text().replace('"lora_alpha": 16.0', f'"lora_alpha": {alpha}')
+    path.write_text(text)
+    shown = {"NaN": "nan", "Infinity": "inf"}.get(alpha, alpha)
+    with pytest.raises(
+        ValueError,
+        match=rf"adapter_config.json: lora_alpha must be a finite number > 0.*got {shown}",
+    ):
+        rc.lora.load_peft(gpt2, tmp_path / "a")
+
+
+def test_load_peft_onto_an_adapted_model_says_it_is_adapted(tmp_path):
+    hf_model = _base("llama", tmp_path / "base")
+    _peft_adapter(hf_model, tmp_path / "adapter", target_modules=["q_proj"])
+    base = rc.models.from_hf(tmp_path / "base")
+    loaded = rc.lora.load_peft(base, tmp_path / "adapter")
+    for adapted in (loaded, rc.lora.apply(base, ["v_proj"], rank=2, key=jax.random.key(0))):
+        with pytest.raises(
+            ValueError, match=r"already has LoRA adapters at \['blocks\.0\.attn"
+        ) as err:
+            rc.lora.load_peft(adapted, tmp_path / "adapter")
+        assert "rc.lora.merge" in str(err.value) and "select no" not in str(err.value)
+    # Merged, it is a base model again.
+    merged = rc.lora.load_peft(rc.lora.merge(loaded), tmp_path / "adapter")
+    assert isinstance(merged.blocks[0].attn.q_proj, rc.lora.LoRALinear)

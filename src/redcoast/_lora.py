@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +17,18 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from ._tree_paths import leaves_with_paths, path_str
 from .models.layers import AbstractProjection, AbstractTable, dense
 
-__all__ = ["LoRAEmbedding", "LoRALinear", "apply", "lora_layers", "merge", "trainable"]
+__all__ = [
+    "LoRAEmbedding",
+    "LoRALinear",
+    "adapted_paths",
+    "adapters_differ",
+    "adapters_record",
+    "apply",
+    "check_alpha",
+    "lora_layers",
+    "merge",
+    "trainable",
+]
 
 Targets = str | Sequence[str] | Callable[[str, eqx.nn.Linear], bool]
 """What `apply` wraps: globs over the dotted paths of Linears and embedding tables, or
@@ -120,6 +132,7 @@ class LoRAEmbedding(AbstractTable):
 
 
 _LAYERS = eqx.nn.Linear | AbstractProjection | eqx.nn.Embedding | AbstractTable
+_ADAPTERS = LoRALinear | LoRAEmbedding
 
 
 def _projections(model: PyTree) -> tuple[list[tuple[str, Any]], Any]:
@@ -135,9 +148,23 @@ def _matches(path: str, glob: str) -> bool:
     return fnmatch.fnmatchcase(path, glob) or fnmatch.fnmatchcase(path, "*." + glob)
 
 
+def _already_adapted(paths: list[str], what: str) -> ValueError:
+    return ValueError(
+        f"{what}: {paths[:6]}{' ...' if len(paths) > 6 else ''} already carry LoRA adapters "
+        "(LoRALinear / LoRAEmbedding), and an adapter is not adapted again. Fold them into "
+        "their base with rc.lora.merge and adapt the merged model, or start from the base "
+        "model."
+    )
+
+
 def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
     linears = [(p, x) for p, x in found if isinstance(x, eqx.nn.Linear | eqx.nn.Embedding)]
+    adapted = [(p, x) for p, x in found if isinstance(x, _ADAPTERS)]
     if callable(targets):
+        # The predicate sees an adapted layer's base Linear, as it saw it before apply.
+        again = [p for p, x in adapted if isinstance(x, LoRALinear) and targets(p, x.base)]
+        if again:
+            raise _already_adapted(again, "rc.lora.apply")
         chosen = [isinstance(x, eqx.nn.Linear) and bool(targets(p, x)) for p, x in found]
     else:
         globs = [targets] if isinstance(targets, str) else list(targets)
@@ -146,6 +173,9 @@ def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
                 "targets must be a glob, a sequence of globs, or a predicate "
                 f"(path, linear) -> bool; got {targets!r}."
             )
+        again = [p for p, _ in adapted if any(_matches(p, g) for g in globs)]
+        if again:
+            raise _already_adapted(again, "rc.lora.apply")
         unmatched = [g for g in globs if not any(_matches(p, g) for p, _ in linears)]
         if unmatched:
             raise ValueError(
@@ -164,6 +194,19 @@ def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
             f"{[p for p, _ in linears[:6]]}{' ...' if len(linears) > 6 else ''}."
         )
     return chosen
+
+
+def check_alpha(alpha: Any, what: str = "alpha") -> float:
+    """`alpha` as a float; a `ValueError` naming it unless it is a finite real number > 0."""
+    real = isinstance(alpha, numbers.Real) and not isinstance(alpha, bool)
+    # alpha=0 would make every update zero (training nothing, silently); nan or inf
+    # would only show as a nan loss at the first step.
+    if not real or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(
+            f"{what} must be a finite number > 0 (the update is scaled by alpha / rank), got "
+            f"{alpha!r}. Pass a positive alpha, such as 2 x rank (the default 16 for rank 8)."
+        )
+    return float(alpha)
 
 
 def _check_rank(path: str, rank: int, n_in: int, n_out: int, names: tuple[str, str]) -> None:
@@ -248,8 +291,10 @@ def apply(
         The model with the targets wrapped; the rest is the same objects.
 
     Raises:
-        ValueError: a glob matches no Linear or table, the targets select none, or
-            `rank` exceeds a target's `min(in, out)`.
+        ValueError: a glob matches no Linear or table, the targets select none,
+            `rank` exceeds a target's `min(in, out)`, `alpha` is not a finite number
+            > 0, or a target is already adapted (a `LoRALinear` or `LoRAEmbedding`:
+            `merge` the model first, or apply to the base model).
 
     Example:
         >>> model = rc.lora.apply(GPT2(config, key=k1), ["q_proj", "v_proj"], key=k2)
@@ -258,6 +303,7 @@ def apply(
         raise ValueError(f"rank must be a positive int, got {rank!r}.")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
+    alpha = check_alpha(alpha)
     found, treedef = _projections(model)
     chosen = _selected(found, targets)
     keys = iter(jax.random.split(key, sum(chosen)))
@@ -270,9 +316,6 @@ def apply(
         for (p, x), pick in zip(found, chosen, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-_ADAPTERS = LoRALinear | LoRAEmbedding
 
 
 def _lora_layers(model: PyTree, what: str) -> tuple[list[Any], Any]:
@@ -343,3 +386,89 @@ def merge(model: PyTree) -> PyTree:
         return eqx.tree_at(lambda m: m.weight, x.base, merged)
 
     return jax.tree_util.tree_unflatten(treedef, [fold(x) for x in leaves])
+
+
+def adapted_paths(model: PyTree) -> list[str]:
+    """The dotted paths of every `LoRALinear` and `LoRAEmbedding` of `model`."""
+    found = leaves_with_paths(model, lambda x: isinstance(x, _ADAPTERS))
+    return [path for path, x in found if isinstance(x, _ADAPTERS)]
+
+
+def adapters_record(model: PyTree) -> dict[str, Any] | None:
+    """What `model`'s adapters compute beyond their arrays, for a checkpoint to record.
+
+    A checkpoint's arrays do not hold it: `scale` is a static field and dropout's
+    rate a float, so a resume with another alpha or dropout would load the same
+    arrays into a model computing something else.
+
+    Args:
+        model: any model, with or without LoRA layers.
+
+    Returns:
+        None without adapters; else `{"summary": "...", "layers": {path: {"kind",
+        "rank", "scale", "dropout"}}}`, JSON-able, equal for models whose adapters
+        compute alike (see `adapters_differ`).
+    """
+    layers: dict[str, dict[str, Any]] = {}
+    for path, x in leaves_with_paths(model, lambda x: isinstance(x, _ADAPTERS)):
+        if isinstance(x, _ADAPTERS):
+            layers[path] = {
+                "kind": type(x).__name__,
+                "rank": int(x.rank),
+                "scale": float(x.scale),
+                "dropout": float(x.dropout.p) if isinstance(x, LoRALinear) else 0.0,
+            }
+    if not layers:
+        return None
+    return {"summary": _summary(layers), "layers": layers}
+
+
+def _setting(layer: dict[str, Any]) -> str:
+    alpha = layer["scale"] * layer["rank"]
+    return f"rank {layer['rank']}, alpha {alpha:.8g}, dropout {layer['dropout']:g}"
+
+
+def _summary(layers: dict[str, dict[str, Any]]) -> str:
+    """`blocks.*.attn.q_proj x2, blocks.*.attn.v_proj x2 (LoRALinear rank 4, alpha 8,
+    dropout 0)`: the paths of each setting, layer indices folded, settings joined by `; `."""
+    groups: dict[str, dict[str, int]] = {}
+    for path, layer in layers.items():
+        # Layer indices folded: a 32-layer model reads as one entry per projection.
+        pattern = ".".join("*" if part.isdigit() else part for part in path.split("."))
+        counts = groups.setdefault(f"{layer['kind']} {_setting(layer)}", {})
+        counts[pattern] = counts.get(pattern, 0) + 1
+    return "; ".join(
+        ", ".join(f"{p} x{n}" if n > 1 else p for p, n in counts.items()) + f" ({setting})"
+        for setting, counts in groups.items()
+    )
+
+
+def adapters_differ(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:
+    """How two `adapters_record`s differ, one readable line per difference; [] if alike."""
+    if saved == now:
+        return []
+    if saved is None or now is None:
+        return [
+            f"saved with {'no adapters' if saved is None else saved['summary']}, now "
+            f"{'no adapters' if now is None else now['summary']}"
+        ]
+    old, new = saved["layers"], now["layers"]
+    lines = []
+    gone = [p for p in old if p not in new]
+    added = [p for p in new if p not in old]
+    if gone:
+        lines.append(f"adapted when saved, not now: {_few(gone)}")
+    if added:
+        lines.append(f"adapted now, not when saved: {_few(added)}")
+    changed = [p for p in old if p in new and old[p] != new[p]]
+    lines += [
+        f"{p}: saved {old[p]['kind']} {_setting(old[p])}, now {new[p]['kind']} {_setting(new[p])}"
+        for p in changed[:3]
+    ]
+    if len(changed) > 3:
+        lines.append(f"and {len(changed) - 3} more layers changed")
+    return lines
+
+
+def _few(paths: list[str]) -> str:
+    return f"{paths[:6]}{f' and {len(paths) - 6} more' if len(paths) > 6 else ''}"

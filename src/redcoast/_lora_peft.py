@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from jax.typing import DTypeLike
 from jaxtyping import PyTree
 from safetensors.numpy import load_file, save_file
 
-from ._lora import LoRAEmbedding, LoRALinear, apply, lora_layers
+from ._lora import LoRAEmbedding, LoRALinear, adapted_paths, apply, check_alpha, lora_layers
 from ._tree_paths import leaves_with_paths, path_str
 from .data import to_host
 from .models.hf import HFModel
@@ -42,7 +43,6 @@ _PLAIN = {
     "modules_to_save": None,
     "rank_pattern": {},
     "alpha_pattern": {},
-    "layers_to_transform": None,
     "layer_replication": None,
     "trainable_token_indices": None,
     "target_parameters": None,
@@ -174,6 +174,8 @@ def save_peft(
         "fan_in_fan_out": _transposed(model),
         "inference_mode": True,
         "init_lora_weights": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
         **_PLAIN,
     }
     out = Path(folder)
@@ -215,21 +217,40 @@ def load_peft(
         The model with `LoRALinear` layers holding the adapter.
 
     Raises:
-        ValueError: the config asks for something other than plain LoRA (DoRA,
-            rsLoRA, biases, per-layer ranks, modules_to_save, ...), or a tensor names
-            a module the model has no Linear for, or shapes disagree.
+        ValueError: the model already has LoRA layers; the config asks for something
+            other than plain LoRA (DoRA, rsLoRA, biases, per-layer ranks,
+            modules_to_save, ...) or its `lora_alpha` is not a finite number > 0; a
+            tensor names a module the model has no Linear for; a module of the model
+            that the config's `target_modules` (and `layers_to_transform`) select has
+            no tensors in the file (an adapter of a shallower model); or shapes
+            disagree.
 
     Example:
         >>> model = rc.lora.load_peft(rc.models.from_hf("llama-base"), "adapter")
     """
     root = Path(folder)
+    adapted = adapted_paths(model)
+    if adapted:
+        raise ValueError(
+            f"load_peft: the model already has LoRA adapters at {adapted[:6]}"
+            f"{' ...' if len(adapted) > 6 else ''}, and load_peft adds an adapter to a "
+            "base model. Load onto the base model, or fold the adapters in first with "
+            "rc.lora.merge and load onto the merged model."
+        )
     config = json.loads((root / CONFIG).read_text())
     _check_config(config, root / CONFIG)
+    rank = int(config["r"])
+    alpha = check_alpha(config.get("lora_alpha"), f"{root / CONFIG}: lora_alpha")
+    dropout = float(config.get("lora_dropout") or 0.0)
     tensors = load_file(str(root / WEIGHTS))
     modules = _modules(model)
-    found = _adapters_by_path(tensors, model, modules, root / WEIGHTS)
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    dropout = float(config.get("lora_dropout") or 0.0)
+    by_name = {
+        module.format(i=i): (path, i, stacked)
+        for path, (module, i, stacked) in modules.items()
+        for i in ([i] if not stacked else range(_layers(model, path)))
+    }
+    found = _adapters_by_path(tensors, model, by_name, root / WEIGHTS)
+    _check_covered(config, by_name, tensors, model, root)
     wrapped = apply(
         model,
         lambda p, _: p in found,
@@ -251,24 +272,25 @@ def load_peft(
     return jax.tree_util.tree_unflatten(treedef, [fill(path_str(p), x) for p, x in flat])
 
 
+def _split_key(key: str) -> tuple[str, str]:
+    """A PEFT tensor's name -> (the `transformers` module it adapts, `lora_A` or `lora_B`)."""
+    parts = key.removeprefix(_PREFIX).rsplit(".", 2)
+    if len(parts) != 3:  # not `module.lora_X.weight`: named as no module we know
+        return key, ""
+    # PEFT drops the adapter's name on save; a folder written by hand may keep it.
+    return parts[0].removesuffix(".default"), parts[1]
+
+
 def _adapters_by_path(
     tensors: dict[str, np.ndarray],
     model: PyTree,
-    modules: dict[str, tuple[str, int | None, bool]],
+    by_name: dict[str, tuple[str, int | None, bool]],
     file: Path,
 ) -> dict[str, dict[tuple[str, int | None], np.ndarray]]:
     """A PEFT file's tensors by our Linear path: `(lora_a | lora_b, layer or None)` -> tensor."""
-    by_name = {
-        module.format(i=i): (path, i, stacked)
-        for path, (module, i, stacked) in modules.items()
-        for i in ([i] if not stacked else range(_layers(model, path)))
-    }
     found: dict[str, dict[tuple[str, int | None], np.ndarray]] = {}
     for key, value in tensors.items():
-        name = key.removeprefix(_PREFIX)
-        module, which = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
-        # PEFT drops the adapter's name on save; a folder written by hand may keep it.
-        module = module.removesuffix(".default")
+        module, which = _split_key(key)
         if module not in by_name or which not in _AB.values():
             raise ValueError(
                 f"{file}: {key!r} names no projection of {type(model).__name__} "
@@ -278,6 +300,83 @@ def _adapters_by_path(
         ours = "lora_a" if which == "lora_A" else "lora_b"
         found.setdefault(path, {})[(ours, i if stacked else None)] = value
     return found
+
+
+def _targeted(config: dict[str, Any], name: str) -> bool:
+    """Whether PEFT adapts the `transformers` module `name` under `config`, as PEFT's
+    `check_target_module_exists` decides it (0.21)."""
+    exclude = config.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, name):
+                return False
+        elif name in exclude or any(name.endswith(f".{e}") for e in exclude):
+            return False
+    targets = config["target_modules"]
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, name) is not None
+    if name in targets:
+        return True
+    if not any(name.endswith(f".{t}") for t in targets):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    # The layer index is the first numbered part of the name, after `layers_pattern`.
+    pattern = config.get("layers_pattern")
+    regexes = (
+        [r".*?\.[^.]*\.(?P<idx>\d+)\."]
+        if not pattern
+        else [
+            rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\."
+            for p in ([pattern] if isinstance(pattern, str) else pattern)
+        ]
+    )
+    for regex in regexes:
+        match = re.match(regex, name)
+        if match:
+            index = int(match["idx"])
+            return index == layers if isinstance(layers, int) else index in layers
+    return False
+
+
+def _check_covered(
+    config: dict[str, Any],
+    by_name: dict[str, tuple[str, int | None, bool]],
+    tensors: dict[str, np.ndarray],
+    model: Any,
+    root: Path,
+) -> None:
+    """Refuse an adapter that leaves a module its config targets without tensors.
+
+    An adapter of a 2-layer model has no tensors for a 3-layer base's last layer,
+    which its `target_modules` still select: loading it would leave that layer plain.
+    """
+    if config.get("target_modules") is None:  # nothing to tell targeted modules by
+        return
+    present: dict[str, set[str]] = {}
+    for key in tensors:
+        module, which = _split_key(key)
+        present.setdefault(module, set()).add(which)
+    missing = [
+        name
+        for name in by_name
+        if _targeted(config, name) and not set(_AB.values()) <= present.get(name, set())
+    ]
+    if missing:
+        selected = {
+            k: config[k]
+            for k in ("target_modules", "layers_to_transform", "exclude_modules")
+            if config.get(k) is not None
+        }
+        raise ValueError(
+            f"{root}: the adapter's config selects {len(missing)} module(s) of "
+            f"{type(model).__name__} that its {WEIGHTS} holds no lora_A and lora_B for: "
+            f"{missing[:6]}{' ...' if len(missing) > 6 else ''} ({CONFIG}: {selected}). "
+            "Loaded here they would stay plain, where PEFT adapts them: the adapter was "
+            "trained on another architecture (fewer layers?). Load it onto the model it "
+            "was trained on."
+        )
 
 
 def _filled(
@@ -292,16 +391,18 @@ def _filled(
     arrays = []
     for ours in ("lora_a", "lora_b"):
         like = getattr(layer, ours).weight
-        n = like.shape[0] if stacked else 0
-        try:
-            got = (
-                np.stack([pieces[(ours, i)] for i in range(n)]) if stacked else pieces[(ours, None)]
-            )
-        except KeyError as err:
+        wanted = list(range(like.shape[0])) if stacked else [None]
+        absent = [i for i in wanted if (ours, i) not in pieces]
+        if absent:
             raise ValueError(
-                f"{file}: {path}'s {_AB[ours]} is missing for layer {err}; an "
-                "adapter on scanned layers must cover every layer."
-            ) from err
+                f"{file}: {path}'s {_AB[ours]} is missing for layer(s) {absent}, and an "
+                "adapter on scanned layers (scan_layers=True) must cover every layer. Load "
+                "it onto the model built with scan_layers=False."
+                if stacked
+                else f"{file}: {path} has a {_AB['lora_b' if ours == 'lora_a' else 'lora_a']} "
+                f"but no {_AB[ours]}: the file is incomplete."
+            )
+        got = np.stack([pieces[(ours, i)] for i in wanted]) if stacked else pieces[(ours, None)]
         if got.shape != like.shape:
             raise ValueError(
                 f"{file}: {path}'s {_AB[ours]} has shape {got.shape}, the model "

@@ -2,7 +2,8 @@
 
 A checkpoint of a run holds, beside the model and optimizer state, the epoch and
 the position in it, the seed and global batch size, the best metric so far, the
-epoch's number of examples and a checksum of their order, and with a trainable
+epoch's number of examples and a checksum of their order, what the LoRA adapters
+compute beyond their arrays (targets, rank, alpha, dropout), and with a trainable
 filter the fingerprint of the frozen arrays. Resuming checks each against the run
 at hand, and keeps `metrics.jsonl` up to the checkpoint's step.
 """
@@ -22,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ._context_parallel import ContextParallel
+from ._lora import adapters_differ, adapters_record
 from ._seq_parallel import SequenceParallel
 from .checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsBuffer, read_jsonl
@@ -71,6 +73,9 @@ def saver(run: Run, buffer: MetricsBuffer) -> Callable[[Path, LoopState], None]:
             "global_batch_size": run.size,
             "best": None if s.best is None else dataclasses.asdict(s.best),
             **({} if run.data is None else run.data(s.epoch)),
+            # None without adapters, so a resume tells a run without them from a
+            # checkpoint saved before redcoast recorded them (no key at all).
+            "lora": adapters_record(s.model),
             **({} if run.frozen is None else {"frozen": run.frozen}),
         }
         save_checkpoint(
@@ -93,7 +98,11 @@ def resume(run: Run, state: LoopState) -> tuple[LoopState, dict[str, Any]]:
     found = latest_checkpoint(run.ckpts)
     if found is None:
         return state, history
-    _check_base(found, checkpoint_state(found).get("loop", {}).get("frozen"), run.frozen)
+    saved = checkpoint_state(found).get("loop", {})
+    # Before the base and the arrays: another rank or other targets would fail
+    # there too, with an error that does not say it is the adapters.
+    _check_adapters(found, saved, state.model)
+    _check_base(found, saved.get("frozen"), run.frozen)
     # Loaded into the shardings of the freshly placed model and optimizer state.
     ckpt = load_checkpoint(found, like=run.saved_part(state.model), opt_state_like=state.opt_state)
     model = ckpt.model
@@ -125,6 +134,21 @@ def resume(run: Run, state: LoopState) -> tuple[LoopState, dict[str, Any]]:
         best=best,
     )
     return resumed, history
+
+
+def _check_adapters(found: Path, loop: dict[str, Any], model: Any) -> None:
+    """Refuse to resume with LoRA adapters that compute otherwise than the saved ones."""
+    if "lora" not in loop:  # saved before redcoast recorded the adapters
+        return
+    differences = adapters_differ(loop["lora"], adapters_record(model))
+    if differences:
+        raise ValueError(
+            f"cannot resume from {found}: the model's LoRA adapters are not the ones it was "
+            f"saved with ({'; '.join(differences)}), so the resumed run would compute "
+            "another function than the one trained so far. Build the model as the run did "
+            "(rc.lora.apply with the same targets, rank, alpha and dropout), or start the "
+            "changed run in a new workdir."
+        )
 
 
 def _check_base(found: Path, saved: dict[str, Any] | None, now: dict[str, Any] | None) -> None:
