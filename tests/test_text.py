@@ -1,8 +1,15 @@
 """Text to rows: token folders, packing, instruction masks, bad input, and fit on them."""
 
 import gc
+import inspect
 import json
+import os
+import re
+import subprocess
+import sys
 import sysconfig
+import textwrap
+import time
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -335,3 +342,324 @@ def test_donate_hands_the_model_over_without_a_second_copy():
     # and the step's scalars are held besides the loop state.
     assert outside[False] >= param_bytes
     assert outside[True] < 0.02 * param_bytes
+
+
+# Issue 35, "Nothing lost": each test below failed before its fix.
+
+
+def test_a_folder_redcoast_did_not_write_is_never_replaced(tok, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "meta.json").write_text('{"name": "another tool"}')
+    (project / "notes.md").write_text("mine")
+    with pytest.raises(
+        ValueError,
+        match=r"project holds files redcoast did not write \(its meta\.json is not a token "
+        r"folder's\): meta\.json, notes\.md\. .*give a new path",
+    ):
+        rc.text.tokenize(_docs(2), tok, project, progress=False)
+    assert sorted(p.name for p in project.iterdir()) == ["meta.json", "notes.md"]
+    assert (project / "notes.md").read_text() == "mine"
+
+    # A token folder a user put a README into: reused as it is, never replaced.
+    out = tmp_path / "tok"
+    rc.text.tokenize(_docs(2), tok, out, progress=False)
+    (out / "README.md").write_text("what this folder is")
+    assert rc.text.tokenize(_docs(2), tok, out, progress=False).n_documents == 2
+    with pytest.raises(ValueError, match=r"tok holds files redcoast did not write .*: README\.md"):
+        rc.text.tokenize(_docs(3), tok, out, progress=False)
+    assert (out / "README.md").read_text() == "what this folder is"
+    assert rc.text.TokenFile.open(out).n_documents == 2
+
+    # Leftovers of a dead writer are cleared; a folder of such a name holding anything
+    # else is not redcoast's and stays.
+    dead, other = tmp_path / "fresh.tmp-deadbeef", tmp_path / "fresh.tmp-0badc0de"
+    dead.mkdir()
+    (dead / "tokens.bin").write_bytes(b"\0" * 10)
+    other.mkdir()
+    (other / "draft.txt").write_text("mine too")
+    rc.text.tokenize(_docs(2), tok, tmp_path / "fresh", progress=False)
+    assert not dead.exists() and (other / "draft.txt").read_text() == "mine too"
+
+
+def test_a_token_folder_of_an_older_format_is_rebuilt_not_trusted(tok, tmp_path):
+    out = tmp_path / "tok"
+    rc.text.tokenize(_docs(3), tok, out, progress=False)
+    # As version 1 wrote it: no checksums.
+    meta = json.loads((out / "meta.json").read_text())
+    meta["format"] = "redcoast-tokens/1"
+    del meta["checksums"], meta["chunk_bytes"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    (out / "checksums.bin").unlink()
+    with pytest.raises(ValueError, match=r"another version of redcoast .*'redcoast-tokens/1'"):
+        rc.text.TokenFile.open(out)
+    rebuilt = rc.text.tokenize(_docs(3), tok, out, progress=False)
+    assert rebuilt.meta["format"] != "redcoast-tokens/1"
+    assert (out / "checksums.bin").is_file()
+    np.testing.assert_array_equal(np.asarray(rebuilt.tokens), _reference_tokens(tok, _docs(3)))
+
+
+def test_a_list_of_path_strings_is_refused_not_tokenized_as_text(tok, tmp_path):
+    paths = []
+    for i, doc in enumerate(_docs(2)):
+        paths.append(tmp_path / f"{i}.txt")
+        paths[-1].write_text(doc)
+    for given in ([str(p) for p in paths], tuple(str(p) for p in paths)):
+        with pytest.raises(
+            ValueError,
+            match=r"strings that are all paths of existing files .* the paths themselves "
+            r"would be tokenized\. .*\[Path\(p\) for p in paths\]",
+        ):
+            rc.text.tokenize(given, tok, tmp_path / "tok", progress=False)
+    with pytest.raises(ValueError, match="all paths of existing files"):
+        rc.text.tokenize_instructions([str(paths[0])], tok, tmp_path / "tok", progress=False)
+    assert not (tmp_path / "tok").exists()
+
+    # As Paths they are read; a one-shot iterator is not consumed by the check.
+    files = rc.text.tokenize(paths, tok, tmp_path / "tok", progress=False)
+    np.testing.assert_array_equal(np.asarray(files.tokens), _reference_tokens(tok, _docs(2)))
+    texts = rc.text.tokenize((str(p) for p in paths), tok, tmp_path / "tok2", progress=False)
+    np.testing.assert_array_equal(
+        np.asarray(texts.tokens), _reference_tokens(tok, [str(p) for p in paths])
+    )
+    mixed = [_docs(1)[0], str(paths[0])]  # a document first: strings, read as text
+    assert rc.text.tokenize(mixed, tok, tmp_path / "tok3", progress=False).n_documents == 2
+
+
+def test_token_folders_inside_the_corpus_are_never_read_as_text(tok, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, doc in enumerate(_docs(5)):
+        (corpus / f"{i}.txt").write_text(doc)
+    out = corpus / "tok"
+    first = rc.text.tokenize(corpus, tok, out, errors="replace", progress=False)
+    stamp = (out / "tokens.bin").stat().st_mtime_ns
+    second = rc.text.tokenize(corpus, tok, out, errors="replace", progress=False)
+    assert first.n_documents == second.n_documents == 5
+    assert (out / "tokens.bin").stat().st_mtime_ns == stamp  # reused: the corpus is unchanged
+
+    # Another token folder, and one being written by another tokenize, are skipped too.
+    rc.text.tokenize(_docs(2), tok, corpus / "sub" / "other", progress=False)
+    writing = corpus / "cache.tmp-0123abcd"
+    writing.mkdir()
+    (writing / "tokens.bin").write_bytes(b"\x01\x02" * 10)
+    third = rc.text.tokenize(corpus, tok, tmp_path / "elsewhere", errors="replace", progress=False)
+    assert third.meta["files"] == [str(corpus / f"{i}.txt") for i in range(5)]
+    np.testing.assert_array_equal(np.asarray(third.tokens), _reference_tokens(tok, _docs(5)))
+    with pytest.raises(ValueError, match=r"tok is a token folder .*not text"):
+        rc.text.tokenize(out, tok, tmp_path / "again", progress=False)
+    with pytest.raises(ValueError, match=r"tokens\.bin is a file of a token folder"):
+        rc.text.tokenize([out / "tokens.bin"], tok, tmp_path / "again", progress=False)
+
+
+def _big_text():
+    """About 1.6 MB of Python: a token file of two 1 MiB chunks."""
+    names = ("argparse.py", "ast.py", "typing.py", "inspect.py")
+    return "".join((STDLIB / name).read_text() for name in names) * 4
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def _unchecked(rows_fn):
+    """`packed` or `padded` without the test run's type-checker, which reads a random row
+    of the sequence they return: these tests must be the first to read each row."""
+    return inspect.unwrap(rows_fn)
+
+
+def test_a_token_folder_changed_on_disk_is_found_before_its_rows_are_used(tok, tmp_path):
+    src = tmp_path / "big.py"
+    src.write_text(_big_text())
+    out = tmp_path / "tok"
+    tokens = rc.text.tokenize(src, tok, out, progress=False)
+    size = (out / "tokens.bin").stat().st_size
+    assert size > 1 << 20
+    _flip(out / "tokens.bin", (1 << 20) + 10)
+    reused = rc.text.tokenize(src, tok, out, progress=False)  # opening reads no token chunk
+    rows = _unchecked(rc.text.packed)(reused, 64)
+    np.testing.assert_array_equal(rows[0]["input_ids"], np.asarray(tokens.tokens[:64]))
+    with pytest.raises(
+        ValueError,
+        match=rf"tokens\.bin: bytes \[1048576, {size}\) do not match their checksum .*"
+        r"Delete .*tok and tokenize again",
+    ):
+        rows[((1 << 20) + 10) // 2 // 64]
+    assert rows[1]["input_ids"].shape == (64,)  # other chunks are still read
+
+    # The small files are checked whole whenever the folder is opened, and a damaged
+    # folder is rebuilt rather than reused.
+    _flip(out / "documents.bin", 3)
+    with pytest.raises(ValueError, match=r"documents\.bin does not match its checksum"):
+        rc.text.TokenFile.open(out)
+    rebuilt = _unchecked(rc.text.packed)(rc.text.tokenize(src, tok, out, progress=False), 64)
+    assert rebuilt[((1 << 20) + 10) // 2 // 64]["input_ids"].shape == (64,)
+
+    records = [{"prompt": d[:60], "completion": d[60:120]} for d in _docs(3)]
+    sft = rc.text.tokenize_instructions(records, tok, tmp_path / "sft", progress=False)
+    _flip(tmp_path / "sft" / "mask.bin", 5)
+    with pytest.raises(ValueError, match=r"mask\.bin: bytes \[0, \d+\) do not match"):
+        _unchecked(rc.text.padded)(sft, 128)[0]
+
+
+def test_rows_check_their_ids_against_the_model_not_only_meta_json(tok, tmp_path):
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(3)))
+    out = tmp_path / "tok"
+    tokens = rc.text.tokenize(src, tok, out, progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    meta["max_id"] = 100  # meta.json says every id fits a vocabulary of 300
+    (out / "meta.json").write_text(json.dumps(meta))
+    tokens = rc.text.TokenFile.open(out)
+    ids = np.asarray(tokens.tokens)
+    bad = int(np.argmax(ids >= 300))
+    line = int(np.searchsorted(tokens.starts, bad, side="right"))  # record d is on line d + 1
+    rows = _unchecked(rc.text.packed)(tokens, 32, model=_gpt2(vocab=300))
+    with pytest.raises(
+        ValueError,
+        match=rf"row {bad // 32} of .*tok holds token id {ids[bad]} \(from .*docs\.jsonl:"
+        rf"{line}\), past the model's vocabulary of 300.*Delete",
+    ):
+        [rows[i] for i in range(len(rows))]
+    longest = int(np.diff(tokens.starts).max())
+    padded = _unchecked(rc.text.padded)(tokens, longest, model=_gpt2(vocab=300, positions=longest))
+    with pytest.raises(ValueError, match=rf"row {line - 1} of .*docs\.jsonl:{line}\)"):
+        [padded[i] for i in range(len(padded))]
+
+
+def test_a_file_rewritten_with_its_size_and_mtime_kept_is_tokenized_again(tok, tmp_path):
+    src = tmp_path / "doc.txt"
+    src.write_text("alpha beta\n" * 40)
+    out = tmp_path / "tok"
+    rc.text.tokenize(src, tok, out, progress=False)
+    kept = src.stat()
+    src.write_text("gamma delt\n" * 40)  # as many bytes, other text
+    os.utime(src, ns=(kept.st_atime_ns, kept.st_mtime_ns))  # as cp -p, rsync -t, tar x do
+    assert (src.stat().st_size, src.stat().st_mtime_ns) == (kept.st_size, kept.st_mtime_ns)
+    again = rc.text.tokenize(src, tok, out, progress=False)
+    reference = _reference_tokens(tok, [src.read_text()])
+    np.testing.assert_array_equal(np.asarray(again.tokens), reference)
+
+    # Touched only (a new time, the same bytes): reused.
+    stamp = (out / "tokens.bin").stat().st_mtime_ns
+    os.utime(src, ns=(kept.st_atime_ns, kept.st_mtime_ns + 10**9))
+    rc.text.tokenize(src, tok, out, progress=False)
+    assert (out / "tokens.bin").stat().st_mtime_ns == stamp
+
+
+_TOKENIZE_AT_ONCE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from pathlib import Path
+    import redcoast as rc
+
+    corpus, tokenizer, out, flags, me = sys.argv[1:]
+    (Path(flags) / f"ready-{me}").touch()
+    while not (Path(flags) / "go").exists():
+        time.sleep(0.001)
+    tokens = rc.text.tokenize(Path(corpus), tokenizer, out, progress=False)
+    inode = os.stat(Path(out) / "tokens.bin").st_ino
+    print(json.dumps({"n_tokens": tokens.meta["n_tokens"], "inode": inode}))
+    """
+)
+
+
+def _child_env():
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+
+
+def test_two_processes_tokenizing_into_one_folder_both_succeed(tok, tmp_path):
+    corpus, flags = tmp_path / "corpus", tmp_path / "flags"
+    corpus.mkdir()
+    flags.mkdir()
+    text = _big_text()
+    for i in range(4):  # long enough to tokenize that the two overlap
+        (corpus / f"{i}.py").write_text(text[i::4])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = tmp_path / "cache" / "tok"
+    args = [str(corpus), str(tmp_path / "tokenizer.json"), str(out), str(flags)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TOKENIZE_AT_ONCE, *args, str(i)],
+            env=_child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    while len(list(flags.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (flags / "go").touch()
+    results = [child.communicate(timeout=300) for child in children]
+    for child, (_, err) in zip(children, results, strict=True):
+        assert child.returncode == 0, err
+    reports = [json.loads(out_text) for out_text, _ in results]
+    # One folder, written once: the second writer waited, then reused the first's.
+    assert reports[0] == reports[1]
+    assert reports[0]["inode"] == os.stat(out / "tokens.bin").st_ino
+    assert os.listdir(out.parent) == ["tok"]  # no temporary folder, no lock file left
+    assert rc.text.TokenFile.open(out).meta["n_tokens"] == reports[0]["n_tokens"]
+
+
+_READ_WHILE_TRUNCATED = textwrap.dedent(
+    """
+    import sys
+    import redcoast as rc
+
+    folder = sys.argv[1]
+    rows = rc.text.packed(rc.text.TokenFile.open(folder), 64)
+    rows[0]
+    with open(f"{folder}/tokens.bin", "r+b") as f:
+        f.truncate(1000)
+    try:
+        rows[len(rows) - 1]
+    except ValueError as err:
+        print(err)
+    """
+)
+
+
+def test_a_token_file_truncated_while_in_use_is_an_error_not_a_crash(tok, tmp_path):
+    tokens = rc.text.tokenize(_docs(12), tok, tmp_path / "tok", progress=False)
+    n_rows = len(tokens.tokens) // 64
+    start = (n_rows - 1) * 64 * 2  # the last row's first byte (2 bytes an id)
+    assert start > 1000
+    del tokens
+    child = subprocess.run(
+        [sys.executable, "-c", _READ_WHILE_TRUNCATED, str(tmp_path / "tok")],
+        env=_child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    # A SIGBUS would end the reader with returncode -7 and print nothing.
+    assert child.returncode == 0, child.stderr
+    assert re.search(
+        rf"tokens\.bin: bytes \[{start}, {start + 128}\) were wanted, but the file holds 1000 "
+        r"bytes .*truncated while in use\. Delete .*tok and tokenize again",
+        child.stdout,
+    ), child.stdout
+
+
+def test_collate_names_the_key_and_row_that_do_not_fit():
+    def row(n, **extra):
+        return {"input_ids": np.zeros(n, np.int32), "loss_mask": np.ones(n, bool), **extra}
+
+    batch = rc.text.collate([row(8), row(8)])
+    assert batch["input_ids"].shape == batch["loss_mask"].shape == (2, 8)
+    with pytest.raises(
+        ValueError,
+        match=r"collate: row 2's 'input_ids' has shape \(6,\), but row 0's has \(8,\); .*"
+        r"rc\.text\.padded .*your own collate_fn",
+    ):
+        rc.text.collate([row(8), row(8), row(6), row(5)])
+    with pytest.raises(ValueError, match=r"collate: row 1 has key 'labels', which row 0 lacks"):
+        rc.text.collate([row(8), row(8, labels=np.zeros(8))])
+    with pytest.raises(ValueError, match=r"collate: row 1 lacks key 'labels', which row 0 has"):
+        rc.text.collate([row(8, labels=np.zeros(8)), row(8)])

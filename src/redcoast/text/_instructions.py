@@ -5,30 +5,44 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ._sources import Source, describe_keys, json_line, list_files, progress_bar, signature
-from ._token_file import TokenFile, Writer, check_target, is_lead, on_lead, reusable
+from ._build import Writer, build, is_lead
+from ._sources import (
+    Source,
+    describe_keys,
+    hashed,
+    json_line,
+    list_files,
+    progress_bar,
+    same_sources,
+    text_signature,
+)
+from ._token_file import TokenFile
 from ._tokenizer import Tokenizer, load_tokenizer
 
 
-def _records(source: Any, text_errors: str) -> tuple[list[Path] | None, Iterator[Any]]:
-    files = list_files(source, "**/*.jsonl")
+def _records(
+    source: Any, text_errors: str, output: Path
+) -> tuple[list[Path] | None, Callable[[list[list[Any]]], Iterator[Any]]]:
+    """The files `source` names (None for records given directly), and a reader of its
+    records, which appends each file's fingerprint to the list it is given."""
+    files = list_files(source, "**/*.jsonl", output=output)
     if files is None:
         if isinstance(source, str | bytes | Mapping) or not isinstance(source, Iterable):
             raise TypeError(
                 "source must be a .jsonl file, a folder of them, a list of Paths or an "
                 f"iterable of dicts; got {type(source).__name__}."
             )
-        return None, ((r, (-1, -1), f"record #{i}") for i, r in enumerate(source))
+        return None, lambda _: ((r, (-1, -1), f"record #{i}") for i, r in enumerate(source))
 
-    def read() -> Iterator[Any]:
+    def read(prints: list[list[Any]]) -> Iterator[Any]:
         assert files is not None
         for i, path in enumerate(files):
             with open(path, "rb") as f:
-                for line_no, line in enumerate(f, 1):
+                for line_no, line in enumerate(hashed(f, path, prints), 1):
                     if line.strip():
                         yield (
                             json_line(line, path, line_no, text_errors),
@@ -36,7 +50,7 @@ def _records(source: Any, text_errors: str) -> tuple[list[Path] | None, Iterator
                             (f"{path}:{line_no}"),
                         )
 
-    return files, read()
+    return files, read
 
 
 def _chat_ids(tok: Tokenizer, messages: Any, where: str) -> tuple[list[int], list[bool]]:
@@ -100,7 +114,8 @@ def tokenize_instructions(
     prompt, uncounted; the completion and EOS, counted) or `{"messages": [{"role":
     ..., "content": ...}, ...]}` rendered by the tokenizer's chat template (the
     assistant turns counted). Rows made with `padded` hold one record each; with
-    `packed`, records follow one another.
+    `packed`, records follow one another. The folder is reused, replaced, locked
+    and checksummed as `tokenize`'s is (see there), with these options and fields.
 
     Args:
         source: a `.jsonl` file, a folder of them, a list of `Path`s, or an iterable
@@ -125,7 +140,7 @@ def tokenize_instructions(
     """
     tok = load_tokenizer(tokenizer, eos_id=eos_id)
     out = Path(path)
-    files, records = _records(source, errors)
+    files, read = _records(source, errors, out)
     keys = {"prompt": prompt_key, "completion": completion_key, "messages": messages_key}
     template = getattr(tok.hf, "chat_template", None) or ""
     meta = {
@@ -136,31 +151,33 @@ def tokenize_instructions(
         "eos_id": tok.eos_id,
         "pad_id": tok.pad_id,
         "files": [str(f) for f in files or []],
-        "sources": signature(files, source),
+        # Files are fingerprinted from the very bytes tokenized, by `fill`.
+        "sources": None if files is not None else text_signature(source),
         "options": {**keys, "errors": errors},
     }
 
-    def make() -> TokenFile:
-        found = reusable(out, meta)
-        if found is not None:
-            return found
-        check_target(out)
-        writer = Writer(out, tok, mask=True, meta=meta)
+    def fill(writer: Writer) -> None:
+        prints: list[list[Any]] = []
         bar = progress_bar(None, progress and is_lead(), "instructions")
-        try:
-            with bar if bar is not None else contextlib.nullcontext():
-                task = None if bar is None else bar.add_task("", total=None)
-                for chunk in _batched(records, 1024):
-                    for ids, mask, origin in _encode_records(tok, chunk, keys):
-                        writer.add(ids, origin, mask)
-                    if bar is not None:
-                        bar.advance(task, len(chunk))  # type: ignore[arg-type]
-            return writer.finish(str(source)[:60])
-        except BaseException:
-            writer.abort()
-            raise
+        with bar if bar is not None else contextlib.nullcontext():
+            task = None if bar is None else bar.add_task("", total=None)
+            for chunk in _batched(read(prints), 1024):
+                for ids, mask, origin in _encode_records(tok, chunk, keys):
+                    writer.add(ids, origin, mask)
+                if bar is not None:
+                    bar.advance(task, len(chunk))  # type: ignore[arg-type]
+        if files is not None:
+            writer.meta["sources"] = prints
 
-    return on_lead(make, out)
+    return build(
+        out,
+        tok,
+        meta,
+        mask=True,
+        same_sources=same_sources(files, meta["sources"]),
+        fill=fill,
+        what=str(source)[:60],
+    )
 
 
 def _batched(it: Iterator[Any], n: int) -> Iterator[list[Any]]:

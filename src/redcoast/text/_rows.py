@@ -1,4 +1,4 @@
-"""Fixed-length rows over a token folder, read from the memory map on demand."""
+"""Fixed-length rows over a token folder, read from disk on demand; and `collate`."""
 
 from __future__ import annotations
 
@@ -10,16 +10,26 @@ import numpy as np
 from ._token_file import TokenFile
 
 
-def _check_model(tokens: TokenFile, seq_len: int, model: Any) -> None:
-    """Refuse rows the model cannot take: ids past its vocabulary, rows past its positions."""
+def _check_model(tokens: TokenFile, seq_len: int, model: Any) -> int | None:
+    """Refuse rows the model cannot take: ids past its vocabulary, rows past its positions.
+
+    The vocabulary is checked here against meta.json's largest id (a wrong tokenizer
+    is found at once), and again on every row as it is read (a token file that
+    disagrees with its meta.json is found too). Returns the vocabulary size, if any.
+    """
     if model is None:
-        return
+        return None
     vocab = getattr(model, "vocab_size", None)
     if vocab is not None and tokens.meta["max_id"] >= vocab:
-        bad = int(np.argmax(np.asarray(tokens.tokens) >= vocab))
+        bad = _first_id_at_least(tokens, vocab)
+        found = (
+            f"token ids up to {tokens.meta['max_id']} (by its meta.json)"
+            if bad is None
+            else f"token id {bad[1]} (first at {tokens.origin_of_token(bad[0])}; the largest "
+            f"is {tokens.meta['max_id']})"
+        )
         raise ValueError(
-            f"{tokens.path} holds token id {int(tokens.tokens[bad])} (first at "
-            f"{tokens.origin_of_token(bad)}; the largest is {tokens.meta['max_id']}), but "
+            f"{tokens.path} holds {found}, but "
             f"{type(model).__name__} has a vocabulary of {vocab}: the tokenizer "
             f"{tokens.meta['tokenizer_name']} ({tokens.meta['vocab_size']} ids) is not this "
             "model's. Use the checkpoint's own tokenizer."
@@ -30,6 +40,18 @@ def _check_model(tokens: TokenFile, seq_len: int, model: Any) -> None:
             f"seq_len={seq_len} is longer than {type(model).__name__}'s position table "
             f"({limit} positions); use seq_len <= {limit}."
         )
+    return None if vocab is None else int(vocab)
+
+
+def _first_id_at_least(tokens: TokenFile, vocab: int) -> tuple[int, int] | None:
+    """Where the first id >= `vocab` is, and the id; read a block at a time (bounded memory)."""
+    n, step = len(tokens.tokens), 1 << 20
+    for start in range(0, n, step):
+        ids, _ = tokens.read(start, min(n, start + step))
+        hits = np.flatnonzero(ids >= vocab)
+        if hits.size:
+            return start + int(hits[0]), int(ids[hits[0]])
+    return None
 
 
 def _check_seq_len(seq_len: Any) -> int:
@@ -39,10 +61,17 @@ def _check_seq_len(seq_len: Any) -> int:
 
 
 class _Rows(Sequence[dict[str, np.ndarray]]):
-    """Rows `[start, stop)` of a token file; slicing gives another view, never a copy."""
+    """Rows `[start, stop)` of a token file; slicing gives another view, never a copy.
 
-    def __init__(self, tokens: TokenFile, seq_len: int, start: int, stop: int):
+    A row is read from disk with `TokenFile.read` (checksummed, never faulting); when
+    the rows know the model's vocabulary, each row's ids are checked against it.
+    """
+
+    def __init__(
+        self, tokens: TokenFile, seq_len: int, start: int, stop: int, *, vocab: int | None = None
+    ):
         self.tokens, self.seq_len, self.start, self.stop = tokens, seq_len, start, stop
+        self.vocab = vocab
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -67,33 +96,58 @@ class _Rows(Sequence[dict[str, np.ndarray]]):
     def _row(self, i: int) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def _check_ids(self, row: int, ids: np.ndarray, first_token: int) -> None:
+        if self.vocab is None or not ids.size or int(ids.max()) < self.vocab:
+            return
+        at = int(np.argmax(ids >= self.vocab))
+        t = self.tokens
+        raise ValueError(
+            f"row {row} of {t.path} holds token id {int(ids[at])} (from "
+            f"{t.origin_of_token(first_token + at)}), past the model's vocabulary of "
+            f"{self.vocab}, though meta.json says the largest id is {t.meta['max_id']}: the "
+            f"token folder does not match its meta.json. Delete {t.path} and tokenize again."
+        )
+
 
 class PackedRows(_Rows):
     """The token stream cut into rows of `seq_len` tokens; see `packed`."""
 
     def _row(self, i: int) -> dict[str, np.ndarray]:
-        a, b = i * self.seq_len, (i + 1) * self.seq_len
-        mask = self.tokens.mask
+        a = i * self.seq_len
+        raw, mask = self.tokens.read(a, a + self.seq_len)
+        ids = raw.astype(np.int32)
+        self._check_ids(i, ids, a)
         return {
-            "input_ids": self.tokens.tokens[a:b].astype(np.int32),
-            "loss_mask": np.ones(self.seq_len, np.bool_) if mask is None else np.array(mask[a:b]),
+            "input_ids": ids,
+            "loss_mask": np.ones(self.seq_len, np.bool_) if mask is None else mask,
         }
 
 
 class PaddedRows(_Rows):
     """One document per row, padded to `seq_len`; see `padded`."""
 
-    def __init__(self, tokens: TokenFile, seq_len: int, start: int, stop: int, pad_id: int):
-        super().__init__(tokens, seq_len, start, stop)
+    def __init__(
+        self,
+        tokens: TokenFile,
+        seq_len: int,
+        start: int,
+        stop: int,
+        pad_id: int,
+        *,
+        vocab: int | None = None,
+    ):
+        super().__init__(tokens, seq_len, start, stop, vocab=vocab)
         self.pad_id = pad_id
 
     def _row(self, i: int) -> dict[str, np.ndarray]:
         a, b = (int(v) for v in self.tokens.starts[i : i + 2])
         n = b - a
+        raw, doc_mask = self.tokens.read(a, b)
         ids = np.full(self.seq_len, self.pad_id, np.int32)
-        ids[:n] = self.tokens.tokens[a:b]
+        ids[:n] = raw
+        self._check_ids(i, ids[:n], a)
         mask = np.zeros(self.seq_len, np.bool_)
-        mask[:n] = True if self.tokens.mask is None else self.tokens.mask[a:b]
+        mask[:n] = True if doc_mask is None else doc_mask
         return {"input_ids": ids, "loss_mask": mask}
 
 
@@ -107,8 +161,9 @@ def packed(tokens: TokenFile, seq_len: int, *, model: Any = None) -> PackedRows:
     Args:
         tokens: from `tokenize` or `tokenize_instructions`.
         seq_len: tokens per row.
-        model: when given, checked: every id within its `vocab_size`, and `seq_len`
-            within its position table (`max_positions`).
+        model: when given, checked: every id within its `vocab_size` (against
+            meta.json's largest id here, and each row's ids as it is read), and
+            `seq_len` within its position table (`max_positions`).
 
     Returns:
         A sequence of `{"input_ids": int32[seq_len], "loss_mask": bool[seq_len]}`;
@@ -117,6 +172,9 @@ def packed(tokens: TokenFile, seq_len: int, *, model: Any = None) -> PackedRows:
     Raises:
         ValueError: bad `seq_len`, a corpus shorter than one row, or a model that
             cannot take the rows (naming the file and line of the first bad id).
+            Reading a row raises `ValueError` too, naming the file and bytes, when
+            the token file was changed or truncated after it was written, or (with
+            `model=`) the row, file and line of an id past the vocabulary.
 
     Example:
         >>> rows = packed(tokens, 1024, model=model)
@@ -129,8 +187,8 @@ def packed(tokens: TokenFile, seq_len: int, *, model: Any = None) -> PackedRows:
             f"{tokens.path} holds {len(tokens.tokens)} tokens, fewer than one row of "
             f"seq_len={seq_len}; use a shorter seq_len or more text."
         )
-    _check_model(tokens, seq_len, model)
-    return PackedRows(tokens, seq_len, 0, n)
+    vocab = _check_model(tokens, seq_len, model)
+    return PackedRows(tokens, seq_len, 0, n, vocab=vocab)
 
 
 def padded(
@@ -171,8 +229,8 @@ def padded(
     pad = tokens.eos_id if pad is None else pad
     if pad is None:
         raise ValueError(f"{tokens.path}'s tokenizer has no pad or EOS token; pass pad_id=.")
-    _check_model(tokens, seq_len, model)
-    return PaddedRows(tokens, seq_len, 0, tokens.n_documents, int(pad))
+    vocab = _check_model(tokens, seq_len, model)
+    return PaddedRows(tokens, seq_len, 0, tokens.n_documents, int(pad), vocab=vocab)
 
 
 def collate(rows: list[Mapping[str, Any]]) -> dict[str, np.ndarray]:
@@ -184,7 +242,39 @@ def collate(rows: list[Mapping[str, Any]]) -> dict[str, np.ndarray]:
     Returns:
         `{key: array}` with the rows on the leading axis.
 
+    Raises:
+        ValueError: no rows, rows with different keys (naming the key and the first
+            row without it or with it extra), or a key whose arrays differ in shape
+            (naming the key, the first row that differs and both shapes).
+
     Example:
         >>> rc.fit(model, opt, rows, collate_fn=rc.text.collate, loss_fn=rc.models.lm_loss, ...)
     """
-    return {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}
+    if not rows:
+        raise ValueError("collate got no rows; a batch needs at least one.")
+    keys = rows[0].keys()
+    for j, row in enumerate(rows):
+        if row.keys() != keys:
+            missing, extra = sorted(set(keys) - set(row)), sorted(set(row) - set(keys))
+            key, how = (missing[0], "lacks") if missing else (extra[0], "has")
+            raise ValueError(
+                f"collate: row {j} {how} key {key!r}, which row 0 "
+                f"{'has' if missing else 'lacks'} (row 0's keys: {sorted(keys)}; row {j}'s: "
+                f"{sorted(row)}). Give every row the same keys."
+            )
+    out = {}
+    for k in keys:
+        arrays = [np.asarray(r[k]) for r in rows]
+        try:
+            out[k] = np.stack(arrays)
+        except ValueError:
+            j = next((j for j, a in enumerate(arrays) if a.shape != arrays[0].shape), None)
+            if j is None:
+                raise
+            raise ValueError(
+                f"collate: row {j}'s {k!r} has shape {arrays[j].shape}, but row 0's has "
+                f"{arrays[0].shape}; the rows of a batch must be equal in shape. Make rows "
+                "of one length with rc.text.padded (one document per row) or rc.text.packed, "
+                "or pad them in your own collate_fn."
+            ) from None
+    return out

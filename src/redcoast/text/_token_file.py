@@ -1,30 +1,87 @@
-"""The token folder: its files, written under a temporary name and renamed when complete."""
+"""The token folder: its files, how redcoast recognises its own, and reading it back checked."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import shutil
-import uuid
-from array import array
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
+import xxhash
 from jaxtyping import Bool, Int, UInt
 
-from ._tokenizer import Tokenizer
+from ._checksums import CheckedFile, n_chunks
 
-FORMAT = "redcoast-tokens/1"
+FORMAT = "redcoast-tokens/2"
+"""This version's format. Version 1 had no checksums; its folders are rebuilt, not read."""
+
+_FORMATS = "redcoast-tokens/"
+"""What every version's `format` starts with: a folder of any version is redcoast's."""
+
+FILES = frozenset(
+    {"meta.json", "tokens.bin", "documents.bin", "origins.bin", "mask.bin", "checksums.bin"}
+)
+"""Every file redcoast writes in a token folder (of any version), and nothing else."""
+
+LEFTOVER = re.compile(r"(?P<name>.+)\.(tmp|old)-[0-9a-f]{8}")
+"""The name of a folder being written (`<name>.tmp-<hex>`) or swapped out (`.old-<hex>`)."""
+
+
+def read_meta(folder: Path) -> dict[str, Any] | None:
+    """`folder`'s meta.json when it is a token folder's (any version), else None."""
+    try:
+        meta = json.loads((folder / "meta.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    if isinstance(meta, dict) and str(meta.get("format", "")).startswith(_FORMATS):
+        return meta
+    return None
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """The entries of `folder` that redcoast did not write: all of them, unless its
+    meta.json is a token folder's; then any besides the regular files of `FILES`."""
+    names = sorted(os.listdir(folder))
+    if read_meta(folder) is None:
+        return names
+    return [n for n in names if n not in FILES or not _regular(folder / n)]
+
+
+def only_ours(folder: Path) -> bool:
+    """`folder` holds nothing but regular files of the names redcoast writes."""
+    return all(e.name in FILES and _regular(e) for e in folder.iterdir())
+
+
+def _regular(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def is_token_folder(folder: Path) -> bool:
+    """`folder` is a token folder, or one a `tokenize` is writing or swapping out.
+
+    A complete folder is known by its meta.json; one being written has none yet, and
+    is known by its name (`<name>.tmp-<hex>` or `.old-<hex>`) and by holding nothing
+    but files of a token folder.
+    """
+    if read_meta(folder) is not None:
+        return True
+    if not LEFTOVER.fullmatch(folder.name) or not folder.is_dir() or folder.is_symlink():
+        return False
+    return only_ours(folder)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenFile:
-    """A tokenized corpus on disk, memory-mapped: nothing is read until it is indexed.
+    """A tokenized corpus on disk: nothing is read until asked for.
+
+    Rows (`packed`, `padded`) read through `read`, which checks each 1 MiB chunk of
+    `tokens.bin` and `mask.bin` against its checksum the first time it is touched
+    and never faults on a file truncated while in use. `tokens` and `mask` are the
+    raw memory maps, for inspection, without those checks.
 
     Attributes:
         path: the folder.
@@ -33,7 +90,8 @@ class TokenFile:
         mask: for instruction data, which tokens the loss counts; `None` for plain text.
         origins: `(n_documents, 2)`: the index into `meta["files"]` and the line each
             document came from (`-1` for documents given as strings).
-        meta: what `meta.json` holds (tokenizer fingerprint, dtype, counts, sources).
+        meta: what `meta.json` holds (tokenizer fingerprint, dtype, counts, sources,
+            checksums).
     """
 
     path: Path
@@ -42,6 +100,7 @@ class TokenFile:
     mask: Bool[np.ndarray, " n_tokens"] | None
     origins: Int[np.ndarray, "n_documents 2"]
     meta: Mapping[str, Any]
+    _checked: tuple[CheckedFile, CheckedFile | None] = dataclasses.field(repr=False)
 
     @property
     def n_documents(self) -> int:
@@ -63,13 +122,39 @@ class TokenFile:
         doc = int(np.searchsorted(self.starts, position, side="right")) - 1
         return self.origin(max(doc, 0))
 
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens `[start, stop)` and their mask (`None` for plain text), read from disk.
+
+        Each chunk the range touches is checked against its checksum the first time;
+        afterwards a read is one `pread` per file.
+
+        Raises:
+            ValueError: the bytes differ from those written, or the file was
+                truncated while in use (naming the file and the byte range).
+        """
+        tokens, mask = self._checked
+        ids = np.empty(stop - start, self.tokens.dtype)
+        tokens.read(start * ids.itemsize, ids)
+        if mask is None:
+            return ids, None
+        return ids, mask.read(start, np.empty(stop - start, np.bool_))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A file descriptor means nothing in another process: open the folder afresh.
+        return (TokenFile.open, (self.path,))
+
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> TokenFile:
         """Open a folder written by `tokenize` or `tokenize_instructions`.
 
+        The sizes of all files and the checksums of the small ones (`documents.bin`,
+        `origins.bin`, `checksums.bin`) are checked here; `tokens.bin` and `mask.bin`
+        chunk by chunk as rows read them.
+
         Raises:
-            ValueError: the folder is not a complete token folder (the message says
-                what is missing or which size disagrees).
+            ValueError: the folder is not a complete token folder of this version (the
+                message says what is missing, which size or checksum disagrees, or
+                which version wrote it).
         """
         path = Path(path)
         meta_path = path / "meta.json"
@@ -77,18 +162,33 @@ class TokenFile:
             raise ValueError(
                 f"{path} is not a token folder (no meta.json); make one with rc.text.tokenize."
             )
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{meta_path} has format {meta.get('format')!r}, not {FORMAT!r}.")
-        n, n_docs = int(meta["n_tokens"]), int(meta["n_documents"])
+        meta = read_meta(path)
+        if meta is None:
+            raise ValueError(
+                f"{meta_path} is not a redcoast token folder's (no 'format' "
+                f"{_FORMATS}...); make one with rc.text.tokenize."
+            )
+        if meta["format"] != FORMAT:
+            raise ValueError(
+                f"{path} was written by another version of redcoast (format "
+                f"{meta['format']!r}; this one reads {FORMAT!r}). Tokenize again: tokenize "
+                "replaces such a folder."
+            )
+        needed = ("dtype", "n_tokens", "n_documents", "has_mask", "chunk_bytes", "checksums")
+        missing = [k for k in needed if k not in meta]
+        if missing:
+            raise ValueError(
+                f"{meta_path} lacks {missing}: the token folder is damaged. Delete it and "
+                "tokenize again."
+            )
+        n, n_docs, chunk = int(meta["n_tokens"]), int(meta["n_documents"]), meta["chunk_bytes"]
         dtype = np.dtype(meta["dtype"])
-        expect = {
-            "tokens.bin": n * dtype.itemsize,
-            "documents.bin": (n_docs + 1) * 8,
-            "origins.bin": n_docs * 8,
-        }
+        expect = {"tokens.bin": n * dtype.itemsize}
         if meta["has_mask"]:
             expect["mask.bin"] = n
+        n_sums = sum(n_chunks(size, chunk) for size in expect.values())
+        expect |= {"documents.bin": (n_docs + 1) * 8, "origins.bin": n_docs * 8}
+        expect["checksums.bin"] = n_sums * 8
         for name, size in expect.items():
             actual = (path / name).stat().st_size if (path / name).is_file() else None
             if actual != size:
@@ -96,150 +196,28 @@ class TokenFile:
                     f"{path / name} holds {actual} bytes where meta.json says {size}: the "
                     "token folder is damaged. Delete it and tokenize again."
                 )
-        tokens = np.memmap(path / "tokens.bin", dtype=dtype, mode="r", shape=(n,))
-        starts = np.fromfile(path / "documents.bin", dtype=np.int64)
-        mask = (
-            np.memmap(path / "mask.bin", dtype=np.bool_, mode="r", shape=(n,))
-            if meta["has_mask"]
-            else None
-        )
-        origins = np.fromfile(path / "origins.bin", dtype=np.int32).reshape(n_docs, 2)
-        return cls(path, tokens, starts, mask, origins, meta)
-
-
-def _token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
-class Writer:
-    """Appends documents to a temporary token folder; `finish` renames it into place."""
-
-    def __init__(self, path: Path, tok: Tokenizer, *, mask: bool, meta: dict[str, Any]):
-        self.path, self.tok = path, tok
-        self.tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        self.tmp.mkdir(parents=True)
-        self.dtype = _token_dtype(tok.vocab_size)
-        self.files = {"tokens": open(self.tmp / "tokens.bin", "wb")}  # noqa: SIM115
-        if mask:
-            self.files["mask"] = open(self.tmp / "mask.bin", "wb")  # noqa: SIM115
-        self.starts, self.origins = array("q", [0]), array("i")
-        self.n, self.max_id, self.meta = 0, -1, meta
-
-    def extend(self, ids: Sequence[int], mask: Any = None) -> None:
-        """Append tokens to the current document (a long one arrives piece by piece)."""
-        arr = np.asarray(ids, dtype=np.int64)
-        if arr.size == 0:
-            return
-        self.max_id = max(self.max_id, int(arr.max()))
-        arr.astype(self.dtype).tofile(self.files["tokens"])
-        if mask is not None:
-            np.asarray(mask, dtype=np.bool_).tofile(self.files["mask"])
-        self.n += arr.size
-
-    def end_document(self, origin: tuple[int, int]) -> None:
-        """Close the current document, unless it holds no token."""
-        if self.n > self.starts[-1]:
-            self.starts.append(self.n)
-            self.origins.extend(origin)
-
-    def add(self, ids: Sequence[int], origin: tuple[int, int], mask: Any = None) -> None:
-        """Append one whole document."""
-        self.extend(ids, mask)
-        self.end_document(origin)
-
-    def finish(self, what: str) -> TokenFile:
-        for f in self.files.values():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        if self.n == 0:
-            raise ValueError(
-                f"{what} holds no text: nothing to tokenize. Check the path, the file "
-                "pattern and the record fields."
-            )
-        np.asarray(self.starts, np.int64).tofile(self.tmp / "documents.bin")
-        np.asarray(self.origins, np.int32).tofile(self.tmp / "origins.bin")
-        meta = {
-            **self.meta,
-            "format": FORMAT,
-            "dtype": self.dtype.name,
-            "n_tokens": self.n,
-            "n_documents": len(self.starts) - 1,
-            "max_id": self.max_id,
-            "has_mask": "mask" in self.files,
+        small = {
+            name: _read_whole(path / name, meta["checksums"][name])
+            for name in ("documents.bin", "origins.bin", "checksums.bin")
         }
-        (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-        _replace_folder(self.tmp, self.path)
-        return TokenFile.open(self.path)
-
-    def abort(self) -> None:
-        for f in self.files.values():
-            f.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _replace_folder(new: Path, path: Path) -> None:
-    """Rename `new` to `path`; an older token folder there is swapped out, then deleted."""
-    old = None
-    if path.exists():
-        old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(path, old)
-    os.replace(new, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        starts = np.frombuffer(small["documents.bin"], np.int64)
+        origins = np.frombuffer(small["origins.bin"], np.int32).reshape(n_docs, 2)
+        sums = np.frombuffer(small["checksums.bin"], "<u8")
+        n_tok = n_chunks(expect["tokens.bin"], chunk)
+        tokens = np.memmap(path / "tokens.bin", dtype=dtype, mode="r", shape=(n,))
+        checked_tokens = CheckedFile(path / "tokens.bin", expect["tokens.bin"], sums[:n_tok], chunk)
+        mask, checked_mask = None, None
+        if meta["has_mask"]:
+            mask = np.memmap(path / "mask.bin", dtype=np.bool_, mode="r", shape=(n,))
+            checked_mask = CheckedFile(path / "mask.bin", n, sums[n_tok:], chunk)
+        return cls(path, tokens, starts, mask, origins, meta, (checked_tokens, checked_mask))
 
 
-def check_target(path: Path) -> None:
-    """Refuse to replace anything at `path` that is not a token folder; clear leftovers.
-
-    Folders `<name>.tmp-*` and `<name>.old-*` are what an interrupted write left; only
-    one process writes a token folder, so none of them is in use.
-    """
-    for leftover in [
-        *path.parent.glob(f"{path.name}.tmp-*"),
-        *path.parent.glob(f"{path.name}.old-*"),
-    ]:
-        shutil.rmtree(leftover, ignore_errors=True)
-    if path.exists() and not (path / "meta.json").is_file():
-        if path.is_file() or any(path.iterdir()):
-            raise ValueError(
-                f"{path} exists and is not a token folder; give a new path (tokenize "
-                "writes a folder there) or remove it."
-            )
-        path.rmdir()
-
-
-def reusable(path: Path, meta: Mapping[str, Any]) -> TokenFile | None:
-    """The token folder at `path` when it was made from the same sources and tokenizer."""
-    if not (path / "meta.json").is_file():
-        return None
-    try:
-        found = TokenFile.open(path)
-    except (ValueError, OSError, json.JSONDecodeError):
-        return None
-    keys = ("kind", "tokenizer", "sources", "options")
-    if meta["sources"] is None or any(found.meta.get(k) != meta[k] for k in keys):
-        return None
-    return found
-
-
-def is_lead() -> bool:
-    return jax.process_index() == 0
-
-
-def on_lead(make: Callable[[], TokenFile], path: Path) -> TokenFile:
-    """Run `make` on process 0; the others wait for its verdict and open its folder."""
-    if jax.process_count() == 1:
-        return make()
-    error = None
-    if is_lead():
-        try:
-            make()
-        except Exception as err:  # every process must learn of it, not hang
-            error = err
-    ok = multihost_utils.broadcast_one_to_all(np.array(error is None))
-    if error is not None:
-        raise error
-    if not bool(ok):
-        raise RuntimeError(f"process 0 failed to tokenize into {path}; see its error.")
-    return TokenFile.open(path)
+def _read_whole(path: Path, digest: str) -> bytes:
+    data = path.read_bytes()
+    if xxhash.xxh3_64_hexdigest(data) != digest:
+        raise ValueError(
+            f"{path} does not match its checksum in meta.json: the file changed on disk after "
+            f"it was written. Delete {path.parent} and tokenize again."
+        )
+    return data

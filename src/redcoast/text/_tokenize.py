@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ._sources import Source, decode, describe_keys, json_line, list_files, progress_bar, signature
-from ._token_file import TokenFile, Writer, check_target, is_lead, on_lead, reusable
+from ._build import Writer, build, is_lead
+from ._sources import (
+    Source,
+    decode,
+    describe_keys,
+    hashed,
+    json_line,
+    list_files,
+    progress_bar,
+    same_sources,
+    text_signature,
+)
+from ._token_file import TokenFile
 from ._tokenizer import Tokenizer, load_tokenizer
 
 SPACE = frozenset(b" \t\r\n\x0b\x0c")
@@ -41,13 +53,16 @@ def _cut(data: bytes, start: int, target: int) -> int:
     return len(data)
 
 
-def _file_pieces(files: list[Path], errors: str, text_key: str) -> Iterator[_Piece]:
-    """Documents from files (a file each; a `.jsonl` file a record per line), in pieces."""
+def _file_pieces(
+    files: list[Path], errors: str, text_key: str, prints: list[list[Any]]
+) -> Iterator[_Piece]:
+    """Documents from files (a file each; a `.jsonl` file a record per line), in pieces;
+    each file's fingerprint goes to `prints` once it is read to the end."""
     doc = 0
     for i, path in enumerate(files):
         if path.suffix == ".jsonl":
             with open(path, "rb") as f:
-                for line_no, line in enumerate(f, 1):
+                for line_no, line in enumerate(hashed(f, path, prints), 1):
                     if not line.strip():
                         continue
                     record = json_line(line, path, line_no, errors)
@@ -62,9 +77,10 @@ def _file_pieces(files: list[Path], errors: str, text_key: str) -> Iterator[_Pie
             continue
         # Read in blocks; cut each into pieces at points where tokenization is unchanged.
         with open(path, "rb") as f:
+            blocks = hashed(iter(functools.partial(f.read, BATCH_BYTES), b""), path, prints)
             carry, line = b"", 1
             while True:
-                block = f.read(BATCH_BYTES)
+                block = next(blocks, b"")
                 data = carry + block
                 start = 0
                 while True:
@@ -104,51 +120,44 @@ def _string_pieces(texts: Any) -> Iterator[_Piece]:
         yield i, text, True, (-1, -1), len(text)
 
 
-def _write(
-    out: Path,
+def _encode_pieces(
+    writer: Writer,
     tok: Tokenizer,
-    meta: dict[str, Any],
     pieces: Iterator[_Piece],
     total: int | None,
     progress: bool,
     what: str,
-) -> TokenFile:
-    """Encode pieces in batches and append their documents to a new token folder."""
-    writer = Writer(out, tok, mask=False, meta=meta)
+) -> None:
+    """Encode pieces in batches and append their documents to `writer`."""
     assert tok.eos_id is not None
     prefix, eos = tok.prefix, [tok.eos_id]
     bar = progress_bar(total, progress and is_lead(), what)
     task = None if bar is None else bar.add_task("", total=total)
     started = False  # whether the current document has written its prefix
-    try:
-        with bar if bar is not None else contextlib.nullcontext():
-            while True:
-                batch, size = [], 0
-                for piece in pieces:
-                    batch.append(piece)
-                    size += piece[4]
-                    if size >= BATCH_BYTES:
-                        break
-                if not batch:
+    with bar if bar is not None else contextlib.nullcontext():
+        while True:
+            batch, size = [], 0
+            for piece in pieces:
+                batch.append(piece)
+                size += piece[4]
+                if size >= BATCH_BYTES:
                     break
-                # A document's tokens go to disk piece by piece; an empty one adds nothing.
-                for (_, _, last, origin, _), ids in zip(
-                    batch, tok.encode([p[1] for p in batch]), strict=True
-                ):
-                    if ids and not started:
-                        writer.extend(prefix)
-                        started = True
-                    writer.extend(ids)
-                    if last and started:
-                        writer.extend(eos)
-                        writer.end_document(origin)
-                        started = False
-                if bar is not None:
-                    bar.advance(task, size)  # type: ignore[arg-type]
-        return writer.finish(what)
-    except BaseException:
-        writer.abort()
-        raise
+            if not batch:
+                break
+            # A document's tokens go to disk piece by piece; an empty one adds nothing.
+            for (_, _, last, origin, _), ids in zip(
+                batch, tok.encode([p[1] for p in batch]), strict=True
+            ):
+                if ids and not started:
+                    writer.extend(prefix)
+                    started = True
+                writer.extend(ids)
+                if last and started:
+                    writer.extend(eos)
+                    writer.end_document(origin)
+                    started = False
+            if bar is not None:
+                bar.advance(task, size)  # type: ignore[arg-type]
 
 
 def tokenize(
@@ -170,15 +179,29 @@ def tokenize(
     Files are read in blocks and tokenized in pieces of about 64 KiB cut after a
     newline between two non-space characters, where a byte-level BPE's
     pre-tokenizer splits anyway, so memory stays bounded by one block while the
-    ids equal those of the whole document. The folder is reused when it was made by
-    the same tokenizer from the same files (path, size, modification time) or the
-    same sequence of strings; a one-shot iterator is tokenized every time. On
+    ids equal those of the whole document.
+
+    The folder at `path` is reused when it was made by the same tokenizer (its
+    fingerprint and EOS id) with the same `text_key`, `errors` and `pattern`, from
+    the same sources. For files, that compares each file's resolved path and size
+    in bytes and, when all of those match, the xxh3-64 hash of its content (taken
+    while tokenizing, so reuse reads the files once more but never tokenizes them);
+    the modification time is not compared, so a file rewritten with its size and
+    time kept is tokenized again and one only touched is not. A list or tuple of
+    strings is compared by a SHA-256 of them; a one-shot iterator is tokenized
+    every time. Otherwise the folder is replaced, if it is a token folder redcoast
+    wrote and holds nothing else; anything else at `path` is refused, never
+    deleted. Two processes tokenizing into one path take turns (an OS lock on
+    `.<name>.lock` beside it): the second waits, then reuses the first's folder.
+    Files inside a token folder (this one included) are never read as text. On
     several processes, process 0 writes and the others open its folder (which must
     be on a filesystem they all see).
 
     Args:
-        source: a file, a folder (every file matching `pattern`, hidden ones
-            skipped, in sorted order), a list of `Path`s, or an iterable of strings.
+        source: a file, a folder (every file matching `pattern`, hidden ones and
+            token folders skipped, in sorted order), a list of `Path`s, or an
+            iterable of strings (the documents' text; a list of strings that are
+            all paths of existing files is refused: pass them as `Path`s).
         tokenizer: a checkpoint folder, a `tokenizer.json`, or a tokenizer object
             (see `load_tokenizer`).
         path: the token folder to write.
@@ -194,7 +217,9 @@ def tokenize(
 
     Raises:
         ValueError: a path that does not exist, an empty corpus, invalid UTF-8 or
-            JSON (naming the file and line), a tokenizer without an EOS token.
+            JSON (naming the file and line), a tokenizer without an EOS token, a
+            list of strings that are paths, or a `path` holding files redcoast did
+            not write (naming them).
 
     Example:
         >>> tokens = rc.text.tokenize("corpus/", "checkpoints/gpt2", "cache/corpus",
@@ -207,7 +232,7 @@ def tokenize(
             f"the tokenizer {tok.name} has no EOS token to separate documents; pass eos_id=."
         )
     out = Path(path)
-    files = list_files(source, pattern)
+    files = list_files(source, pattern, output=out)
     meta = {
         "kind": "text",
         "tokenizer": tok.fingerprint(),
@@ -216,21 +241,29 @@ def tokenize(
         "eos_id": tok.eos_id,
         "pad_id": tok.pad_id,
         "files": [str(f) for f in files or []],
-        "sources": signature(files, source),
+        # Files are fingerprinted from the very bytes tokenized, by `fill`.
+        "sources": None if files is not None else text_signature(source),
         "options": {"text_key": text_key, "errors": errors, "pattern": pattern},
     }
 
-    def make() -> TokenFile:
-        found = reusable(out, meta)
-        if found is not None:
-            return found
-        check_target(out)
-        if files is not None:
-            pieces = _file_pieces(files, errors, text_key)
-            total = sum(f.stat().st_size for f in files)
-        else:
-            pieces = _string_pieces(source)
-            total = None
-        return _write(out, tok, meta, pieces, total, progress, what=str(source)[:60])
+    what = str(source)[:60]
 
-    return on_lead(make, out)
+    def fill(writer: Writer) -> None:
+        if files is None:
+            _encode_pieces(writer, tok, _string_pieces(source), None, progress, what)
+            return
+        prints: list[list[Any]] = []
+        pieces = _file_pieces(files, errors, text_key, prints)
+        total = sum(f.stat().st_size for f in files)
+        _encode_pieces(writer, tok, pieces, total, progress, what)
+        writer.meta["sources"] = prints
+
+    return build(
+        out,
+        tok,
+        meta,
+        mask=False,
+        same_sources=same_sources(files, meta["sources"]),
+        fill=fill,
+        what=what,
+    )
