@@ -10,7 +10,14 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "lint"]
 
-SIMULATED = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+# 8 simulated devices, with XLA:CPU's patience at collectives raised as
+# `rc.simulate_devices` raises it (`redcoast._simulated.SIMULATED_XLA_FLAGS`): two test
+# processes compiling on two cores can starve a device thread past XLA's 40 s.
+SIMULATED = {
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 "
+    "--xla_cpu_collective_call_terminate_timeout_seconds=600",
+    "JAX_PLATFORMS": "cpu",
+}
 # The fast tests run small programs many times over and compile hundreds: LLVM's
 # optimisations of the CPU code cost more time than they save there (245 s instead of
 # about 290 for the suite). The programs, their numbers and XLA's memory figures are

@@ -1,9 +1,5 @@
-"""Every test sees 8 simulated CPU devices."""
+"""Every test sees 8 simulated CPU devices, patient with a machine busy compiling."""
 
-import os
+import redcoast as rc
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
+rc.simulate_devices(8)

@@ -58,7 +58,7 @@ def test_run_mistakes_are_one_line_errors(tmp_path) -> None:
         ),
         (
             ["run", "language_modeling", "--n-model-shards", "3"],
-            "XLA_FLAGS=--xla_force_host_platform_device_count=8",
+            "call rc.simulate_devices(8) before anything touches a device",
         ),
     ]:
         result = CliRunner().invoke(main, args)

@@ -12,12 +12,14 @@ argument, never silent wrong results.
 
 import dataclasses
 import errno
+import fcntl
 import json
 import os
 import re
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -429,6 +431,63 @@ def test_fit_leaves_the_callers_model_and_opt_state_usable():
     )
 
 
+def _deleted(tree: Any) -> list[bool]:
+    return [x.is_deleted() for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def test_a_handed_over_model_survives_a_first_step_that_fails():
+    """donate=True and a loss_fn that raises at step 1: the caller's arrays are intact."""
+
+    def broken(model, batch, key):
+        raise ValueError("the user's loss is broken")
+
+    model, before = _mlp(), _arrays(_mlp())
+    for mesh in (rc.make_mesh(1), rc.make_mesh(2)):  # one shard: placed as a copy
+        with pytest.raises(ValueError, match="the user's loss is broken"):
+            rc.fit(model, optax.adam(1e-2), _toy(32), max_steps=3, mesh=mesh, donate=True,
+                   **{**FIT, "loss_fn": broken})  # fmt: skip
+        assert not any(_deleted(model))
+        for a, b in zip(_arrays(model), before, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_an_error_after_the_hand_over_carries_the_runs_last_state(tmp_path):
+    """A collate_fn failing at step 4 of a donate=True run: the state of step 3 is in it."""
+    calls = {"n": 0}
+
+    def collate(examples):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the first batch is collated once, for step 1
+            raise OSError("the data server went away")
+        return _collate(examples)
+
+    model = _mlp()
+    reference = rc.fit(_mlp(), optax.adam(1e-2), _toy(32), max_steps=3, **FIT)
+    with pytest.raises(OSError, match="the data server went away") as err:
+        rc.fit(model, optax.adam(1e-2), _toy(32), max_steps=6, donate=True,
+               **{**FIT, "collate_fn": collate})  # fmt: skip
+    assert all(_deleted(model))  # handed over, as asked
+    state = err.value.loop_state  # type: ignore[attr-defined]
+    assert state.step == 3 and not any(_deleted((state.model, state.opt_state)))
+    for a, b in zip(_arrays(state.model), _arrays(reference.model), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert "loop_state.model" in err.value.__notes__[0]
+    assert "after step 3" in err.value.__notes__[0]
+
+
+def test_fit_refused_for_its_options_touches_no_disk(tmp_path):
+    workdir = tmp_path / "run"
+    for bad, message in (
+        ({"max_steps": 0}, "max_steps must be a positive int"),
+        ({"log_every": 0}, "log_every must be a positive int"),
+        ({"resume": True, "overwrite": True}, "pass one"),
+        ({"per_device_batch_size": 0}, "per_device_batch_size must be a positive int"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _train(workdir, 2, **bad)
+        assert not workdir.exists(), bad
+
+
 # ----------------------------------------------------------------------------- one run per workdir
 
 
@@ -694,6 +753,71 @@ def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monke
     assert result.step == 2 and rc.latest_checkpoint(tmp_path / "ckpts") is not None
 
 
+def test_removing_the_lock_file_lets_no_second_run_in(tmp_path):
+    """The lock is on the workdir folder: deleting `.redcoast.lock` mid-run changes nothing."""
+    refused: list[str] = []
+
+    def meddle(state):
+        (tmp_path / ".redcoast.lock").unlink()
+        for resume in (False, True):
+            with pytest.raises(rc.WorkdirInUseError, match="is in use by another live run"):
+                _train(tmp_path, 10, resume=resume)
+            refused.append("refused")
+
+    first = _train(
+        tmp_path,
+        10,
+        checkpointing=rc.Checkpointing(every=2),
+        log_every=1,
+        hooks=[rc.Hook(meddle, when=lambda s: s.step == 6)],
+    )
+    assert refused == ["refused", "refused"] and first.step == 10
+    assert _names(tmp_path / "ckpts") == [f"step_{i:08d}" for i in (2, 4, 6, 8, 10)]
+    assert _train_steps(tmp_path) == list(range(1, 11))  # each step logged once
+
+
+def test_a_workdir_replaced_under_a_live_run_stops_it_with_its_state(tmp_path):
+    workdir = tmp_path / "run"
+
+    def replace(state):
+        os.rename(workdir, tmp_path / "moved")
+        workdir.mkdir()
+
+    with pytest.raises(
+        rc.WorkdirInUseError, match=r"no longer this run's: .* (is gone|was replaced)"
+    ) as err:
+        _train(
+            workdir,
+            10,
+            checkpointing=rc.Checkpointing(every=2),
+            hooks=[rc.Hook(replace, when=lambda s: s.step == 3)],
+        )
+    assert err.value.loop_state.step == 4  # type: ignore[attr-defined]
+    assert not (workdir / "ckpts").exists()  # nothing written into the new folder
+    assert _names(tmp_path / "moved" / "ckpts") == ["step_00000002"]
+
+
+def test_where_folders_cannot_be_locked_the_lock_file_is_held(tmp_path, monkeypatch):
+    """NFS emulates flock with byte-range locks, which a folder (opened read-only) refuses."""
+    real = fcntl.flock
+
+    def files_only(fd: int, operation: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        real(fd, operation)
+
+    monkeypatch.setattr("redcoast.workdir.fcntl.flock", files_only)
+    refused = []
+
+    def second_run(state):
+        with pytest.raises(rc.WorkdirInUseError, match=_held_message(os.getpid())):
+            _train(tmp_path, 2, resume=True)
+        refused.append(True)
+
+    assert _train(tmp_path, 4, hooks=[rc.Hook(second_run, lambda s: s.step == 2)]).step == 4
+    assert refused == [True]
+
+
 WORKER = Path(__file__).parent / "scripts" / "train_resume.py"
 
 
@@ -770,6 +894,39 @@ def test_resuming_a_workdir_whose_run_still_trains_waits_for_its_end(tmp_path):
     assert f"resuming from {workdir / 'ckpts' / 'step_00000004'}" in out
     assert _train_steps(workdir) == list(range(1, 11))
     assert _checkpoints_load(workdir) == [8, 10]
+
+
+# ============================================================================= simulated devices
+
+LAGGING = Path(__file__).parent / "scripts" / "lagging_device.py"
+
+
+def _lagging(lag: float, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # nothing but the script's
+    command = [sys.executable, str(LAGGING), str(lag), *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_simulated_devices_are_patient_at_collectives():
+    """rc.simulate_devices raises XLA:CPU's collective timeout, with a flag this JAX knows
+    (an unknown XLA flag would end the process at start)."""
+    done = _lagging(1, "--simulate")
+    assert done.returncode == 0 and "sum 28.0" in done.stdout, done.stderr[-3000:]
+    assert rc.simulate_devices.__module__ == "redcoast._simulated"
+    assert "xla_cpu_collective_call_terminate_timeout_seconds=600" in os.environ["XLA_FLAGS"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("simulate", [True, False])
+def test_a_device_starved_for_a_minute_aborts_only_without_simulate_devices(simulate):
+    """One device thread 65 s late at a collective (a loaded machine): XLA's default ends
+    the process (20 s to its warning, 40 s more); with rc.simulate_devices it waits."""
+    done = _lagging(65, *(["--simulate"] if simulate else []))
+    if simulate:
+        assert done.returncode == 0 and "sum 28.0" in done.stdout, done.stderr[-3000:]
+    else:
+        assert done.returncode == -signal.SIGABRT, done.stdout
+        assert "Termination timeout" in done.stderr
 
 
 # ============================================================================= the log, resumed

@@ -14,6 +14,7 @@ from . import text as text
 from ._context import context_parallel_attention as context_parallel_attention
 from ._context_parallel import ContextParallel as ContextParallel
 from ._seq_parallel import SequenceParallel as SequenceParallel
+from ._simulated import simulate_devices as simulate_devices
 from .checkpoint import Checkpoint as Checkpoint
 from .checkpoint import CheckpointError as CheckpointError
 from .checkpoint import latest_checkpoint as latest_checkpoint

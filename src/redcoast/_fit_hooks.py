@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -35,12 +34,17 @@ def _checkpoint_hook(
     ckpt_dir: str,
     *,
     save: Callable[[Path, LoopState], None],
+    check: Callable[[], None],
     buffer: MetricsBuffer,
     lead: bool,
 ) -> Hook:
-    """Save `step_*` checkpoints when due and on a stop; prune the run's old ones."""
+    """Save `step_*` checkpoints when due and on a stop; prune the run's old ones.
+
+    `check` runs first: it raises when the workdir is no longer this run's.
+    """
 
     def fn(s: LoopState) -> None:
+        check()
         buffer.flush(s.step)
         save(step_checkpoint_path(ckpt_dir, s.step), s)
         if lead and config.keep_last_n is not None:
@@ -62,12 +66,25 @@ def fit_hooks(
     user: Sequence[Hook],
     caught: list[str],
     checkpointing: Checkpointing,
+    still_held: Callable[[], None] = lambda: None,
 ) -> list[Hook]:
-    """fit's behaviours in order: logging, evaluation, the user's hooks, stops, checkpoints."""
+    """fit's behaviours in order: logging, evaluation, the user's hooks, stops, checkpoints.
+
+    `still_held` runs before each checkpoint is written (`fit` checks there that the
+    workdir is still its own).
+    """
     hooks = _log_hooks(buffer, log_every)
     save = saver(run, buffer)
     if evaluation is not None:
-        best = None if run.ckpts is None else functools.partial(save, Path(run.ckpts, "best"))
+        best = None
+        if run.ckpts is not None:
+            best_path = Path(run.ckpts, "best")
+
+            def save_best(s: LoopState) -> None:
+                still_held()
+                save(best_path, s)
+
+            best = save_best
         hooks.append(
             eval_hook(evaluation[0], evaluate=evaluation[1], buffer=buffer, save_best=best)
         )
@@ -75,6 +92,13 @@ def fit_hooks(
     if run.ckpts is not None:
         hooks.append(stop_hook(caught, log_every))
         hooks.append(
-            _checkpoint_hook(checkpointing, run.ckpts, save=save, buffer=buffer, lead=run.lead)
+            _checkpoint_hook(
+                checkpointing,
+                run.ckpts,
+                save=save,
+                check=still_held,
+                buffer=buffer,
+                lead=run.lead,
+            )
         )
     return hooks

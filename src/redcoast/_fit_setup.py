@@ -23,7 +23,7 @@ from .place import own_copy, place, release, replicate_strays
 from .precision import cast, check_precision, param_dtype
 from .trainable import Trainable, frozen_mask, trainable_mask
 
-__all__ = ["check_options", "start"]
+__all__ = ["check_options", "hand_over", "start"]
 
 
 def check_options(
@@ -51,6 +51,10 @@ def check_options(
     check_positive("n_epochs", n_epochs)
     check_positive("max_steps", max_steps)
     check_positive("log_every", log_every, optional=False)
+    if resume and overwrite:
+        raise ValueError(
+            "resume=True continues the run in workdir and overwrite=True deletes it; pass one."
+        )
     if on_nonfinite not in ("raise", "skip"):
         raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
     if workdir is None:
@@ -63,8 +67,12 @@ def check_options(
                 raise ValueError(f"{name} needs a workdir to keep checkpoints in; pass workdir=.")
 
 
-def _hand_over(state: LoopState, given: tuple[Any, Any], donate: bool) -> LoopState:
-    """The state the step may donate: the caller's own buffers only when handed over."""
+def hand_over(state: LoopState, given: tuple[Any, Any], donate: bool) -> LoopState:
+    """The state the step may donate: the caller's own buffers only when handed over.
+
+    Called last before the first step, so that any error before it leaves the
+    caller's arrays as they were.
+    """
     if donate:
         release(given, keep=(state.model, state.opt_state))
         return state
@@ -85,10 +93,10 @@ def start(
     trainable: Trainable,
     evaluation: Evaluation | None,
     resume: bool,
-    donate: bool,
 ) -> tuple[Run, LoopState, dict[str, Any], PyTree]:
-    """The placed model and its optimizer state, resumed and handed over, with the
-    run's split and trainable part recorded; the history so far; the trainable mask."""
+    """The placed model and its optimizer state, resumed (not yet handed over: see
+    `hand_over`), with the run's split and trainable part recorded; the history so
+    far; the trainable mask."""
     model, opt_state = given
     placed = place(model, run.mesh, example_call=example_call, fsdp=fsdp)
     if precision == "pure-bf16":
@@ -106,4 +114,4 @@ def start(
     history: dict[str, Any] = {"train": [], "eval": []}
     if resume:
         state, history = resume_run(run, state)
-    return run, _hand_over(state, given, donate), history, mask
+    return run, state, history, mask

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from ._simulated import SIMULATED_XLA_FLAGS
+
 __all__ = [
     "ENV_ADDRESS",
     "ENV_HEARTBEAT",
@@ -105,7 +107,8 @@ def _spawn(
         ENV_NPROCS: str(nprocs),
         ENV_RANK: str(rank),
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc} "
+        + SIMULATED_XLA_FLAGS,
     }
     return subprocess.Popen(
         list(command),

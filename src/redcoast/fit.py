@@ -13,6 +13,7 @@ loop and resuming from it in `_resume.py`, the workdir's claim and lock in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -21,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, ParamSpec
+from typing import Any, Literal, cast
 
 import jax
 import numpy as np
@@ -34,6 +35,7 @@ from ._context_parallel import ContextParallel
 from ._evaluator import evaluator as _evaluator
 from ._fit_hooks import fit_hooks as _hooks
 from ._fit_setup import check_options as _check_options
+from ._fit_setup import hand_over as _hand_over
 from ._fit_setup import start as _start
 from ._resume import Run as _Run
 from ._signals import stop_requests as _stop_requests
@@ -193,6 +195,8 @@ class _Loop:
     progress: bool
     hooks: Sequence[Hook]
     checkpointing: Checkpointing
+    # Before each checkpoint: raises when the workdir is no longer this run's.
+    still_held: Callable[[], None] | None
 
 
 def _train(
@@ -208,8 +212,52 @@ def _train(
 
     `evaluate` is the evaluation and `(emit, records) -> evaluate` (`_evaluator`
     given the rest). Fills `history` ("train", "eval", "timing") and returns the
-    last state.
+    last state. An exception leaves with the last state reached as its
+    `loop_state` (see `_keep_state`).
     """
+    try:
+        return _run_hooked(run, state, history, step_fn, epoch_batches, loop, evaluate)
+    except BaseException as err:
+        _keep_state(err, state, run.lead)
+        raise
+
+
+def _keep_state(err: BaseException, start: LoopState, lead: bool) -> None:
+    """Leave the run's last state in `err` (`loop_state`), with a note saying where it is.
+
+    The caller's own arrays may be gone (handed over with `donate=True`, or donated to
+    the step); the state the loop reached is what remains of the run.
+    """
+    state = getattr(err, "loop_state", None)
+    if not isinstance(state, LoopState):
+        state = start
+        err.loop_state = state  # type: ignore[attr-defined]
+    arrays = [
+        x for x in jax.tree.leaves((state.model, state.opt_state)) if isinstance(x, jax.Array)
+    ]
+    if any(x.is_deleted() for x in arrays):
+        where = (
+            f"the model and optimizer state after step {state.step} were donated to the step "
+            "that failed and are gone; resume from the newest checkpoint"
+        )
+    else:
+        where = (
+            f"the model and optimizer state after step {state.step} are this error's "
+            "`loop_state.model` and `loop_state.opt_state`"
+        )
+    if lead and isinstance(err, Exception):
+        err.add_note(f"redcoast: fit stopped by this error; {where}.")
+
+
+def _run_hooked(
+    run: _Run,
+    state: LoopState,
+    history: dict[str, Any],
+    step_fn: Callable[..., Any],
+    epoch_batches: Callable[[int, int], tuple[Iterator[Batch], int]],
+    loop: _Loop,
+    evaluate: tuple[Evaluation, Callable[..., Callable[[LoopState], Any]]] | None,
+) -> LoopState:
     bar = ProgressBar(loop.total, enabled=loop.progress and run.lead, completed=state.step)
     with bar, _stop_requests(run.root is not None) as caught:
 
@@ -238,6 +286,7 @@ def _train(
             user=loop.hooks,
             caught=caught,
             checkpointing=loop.checkpointing,
+            still_held=loop.still_held or (lambda: None),
         )
         try:
             state, history["timing"] = run_loop(
@@ -255,9 +304,6 @@ def _train(
     return state
 
 
-_P = ParamSpec("_P")
-
-
 def _finish(
     run: _Run, state: LoopState, history: dict[str, Any], progress: bool, seconds: float
 ) -> FitResult:
@@ -270,22 +316,7 @@ def _finish(
     return FitResult(state.model, state.opt_state, state.step, history, stopped_by=state.stop)
 
 
-def _one_live_run(fit: Callable[_P, FitResult]) -> Callable[_P, FitResult]:
-    """`fit` holding its workdir (`hold_workdir`) from before its first read to its return."""
-
-    @functools.wraps(fit)
-    def holding(*args: _P.args, **kwargs: _P.kwargs) -> FitResult:
-        workdir: Any = kwargs.get("workdir")
-        if workdir is None:
-            return fit(*args, **kwargs)
-        with hold_workdir(workdir):
-            return fit(*args, **kwargs)
-
-    return holding
-
-
 # The signature groups the options as the Args below do.
-@_one_live_run
 def fit(
     model: PyTree,
     optimizer: optax.GradientTransformation,
@@ -353,12 +384,20 @@ def fit(
     frozen arrays (`state.json`'s `loop.frozen`); resuming on another base, or with
     or without a filter unlike the saved run, is an error.
 
-    A workdir is held by one live run: before reading anything there, `fit` (on
-    process 0) takes an OS lock on `workdir/.redcoast.lock`, released when `fit`
-    returns or raises, or by the kernel when the process dies. Another `fit` given
-    the workdir meanwhile, fresh or resuming, stops at once with
-    `WorkdirInUseError` naming the holder's process id and host; a killed run's
-    workdir can be resumed at once.
+    A workdir is held by one live run: every option is checked first, then, before
+    reading anything there, `fit` (on process 0) takes an OS lock on the workdir
+    folder (`workdir/.redcoast.lock` names the holder), released when `fit` returns
+    or raises, or by the kernel when the process dies. Another `fit` given the
+    workdir meanwhile, fresh or resuming, stops at once with `WorkdirInUseError`
+    naming the holder's process id and host; a killed run's workdir can be resumed
+    at once. A workdir deleted or replaced while the run trains stops it before its
+    next checkpoint.
+
+    Nothing is lost when `fit` raises: before its first step nothing of the
+    caller's is touched (with `donate=True` too); from then on (a step, a hook, a
+    `collate_fn` failing) the error's `loop_state` attribute holds the last state
+    the run reached (`.model`, `.opt_state`, `.step`), and a note on the error
+    says so.
 
     With a workdir, SIGTERM and SIGINT (Ctrl-C) stop the run after the current
     step: a checkpoint is saved, the handlers that were there before are restored
@@ -458,66 +497,75 @@ def fit(
     root = None if workdir is None else os.fspath(workdir)
     lead = jax.process_index() == 0
     run = _Run(mesh, size, seed, jax.random.key(seed), root, lead, context=context)
-    if root is not None:
-        _claim_workdir(root, resume=resume, overwrite=overwrite, lead=run.lead)
-    first, epoch_batches, data = _epochs(
-        train_examples, collate_fn=collate_fn, run=run, size=size, seed=seed
-    )
-    run = dataclasses.replace(run, data=data)
-    run, state, history, mask = _start(
-        (model, opt_state),
-        optimizer,
-        run,
-        lambda m: loss_fn(m, first.arrays, run.key),
-        fsdp=fsdp,
-        precision=precision,
-        sequence_parallel=sequence_parallel,
-        trainable=trainable,
-        evaluation=evaluation,
-        resume=resume,
-        donate=donate,
-    )
-    core = train_step(
-        loss_fn,
-        optimizer,
-        accumulate_grad_batches=accumulate_grad_batches,
-        mesh=mesh,
-        data_parallel=data_parallel,
-        schedule=schedule,
-        skip_nonfinite=on_nonfinite == "skip",
-        precision=precision,
-        trainable=mask,
-        sequence_parallel=run.split,
-        context_parallel=run.context,
-        jit=False,
-    )
-    jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
-    evaluate = None
-    if evaluation is not None:
-        per_device = evaluation.per_device_batch_size or per_device_batch_size
-        eval_size = global_batch_size(mesh, per_device, split_rows=context is None)
-        make = functools.partial(
-            _evaluator, run, evaluation, loss_fn, collate_fn, eval_size, precision=precision
+    # Every option is checked before the workdir is touched; from here on it is held.
+    with contextlib.ExitStack() as holding:
+        still_held = None if root is None else holding.enter_context(hold_workdir(root))
+        if root is not None:
+            _claim_workdir(root, overwrite=overwrite, lead=run.lead, resume=resume)
+        first, epoch_batches, data = _epochs(
+            train_examples, collate_fn=collate_fn, run=run, size=size, seed=seed
         )
-        evaluate = (evaluation, make)
-    loop = _Loop(
-        n_epochs,
-        max_steps,
-        _total_steps(train_examples, n_epochs, max_steps, size),
-        on_nonfinite,
-        log_every,
-        [*loggers] if root is None else [jsonl_logger(Path(root, "metrics.jsonl")), *loggers],
-        progress,
-        hooks,
-        checkpointing or Checkpointing(),
-    )
-    state = _train(
-        run,
-        state,
-        history,
-        lambda m, o, b, s: jitted(m, o, b, run.key, np.int32(s)),
-        epoch_batches,
-        loop,
-        evaluate,
-    )
-    return _finish(run, state, history, progress, time.perf_counter() - started)
+        run = dataclasses.replace(run, data=data)
+        run, state, history, mask = _start(
+            (model, opt_state),
+            optimizer,
+            run,
+            lambda m: loss_fn(m, first.arrays, run.key),
+            fsdp=fsdp,
+            precision=precision,
+            sequence_parallel=sequence_parallel,
+            trainable=trainable,
+            evaluation=evaluation,
+            resume=resume,
+        )
+        core = train_step(
+            loss_fn,
+            optimizer,
+            accumulate_grad_batches=accumulate_grad_batches,
+            mesh=mesh,
+            data_parallel=data_parallel,
+            schedule=schedule,
+            skip_nonfinite=on_nonfinite == "skip",
+            precision=precision,
+            trainable=mask,
+            sequence_parallel=run.split,
+            context_parallel=run.context,
+            jit=False,
+        )
+        jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
+        evaluate = None
+        if evaluation is not None:
+            per_device = evaluation.per_device_batch_size or per_device_batch_size
+            eval_size = global_batch_size(mesh, per_device, split_rows=context is None)
+            make = functools.partial(
+                _evaluator, run, evaluation, loss_fn, collate_fn, eval_size, precision=precision
+            )
+            evaluate = (evaluation, make)
+        loop = _Loop(
+            n_epochs,
+            max_steps,
+            _total_steps(train_examples, n_epochs, max_steps, size),
+            on_nonfinite,
+            log_every,
+            [*loggers] if root is None else [jsonl_logger(Path(root, "metrics.jsonl")), *loggers],
+            progress,
+            hooks,
+            checkpointing or Checkpointing(),
+            still_held,
+        )
+        # The first step is traced and compiled while the caller's arrays are still
+        # theirs, so a loss_fn or shape error leaves them as they were; its first call
+        # runs this program. From the hand-over on, an error carries the run's state.
+        lower = cast(Any, jitted).lower
+        lower(state.model, state.opt_state, first.arrays, run.key, np.int32(state.step)).compile()
+        state = _hand_over(state, (model, opt_state), donate)
+        state = _train(
+            run,
+            state,
+            history,
+            lambda m, o, b, s: jitted(m, o, b, run.key, np.int32(s)),
+            epoch_batches,
+            loop,
+            evaluate,
+        )
+        return _finish(run, state, history, progress, time.perf_counter() - started)

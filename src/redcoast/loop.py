@@ -122,48 +122,72 @@ def run_loop(
         The final state, and host seconds per step spent collating (`data_s`),
         dispatching the step (`step_call_s`) and in the hooks (`other_s`), measured
         after the first step of this call (which compiles).
+
+    Raises:
+        Whatever a step, a hook or the batches raise, with the last state the loop
+        reached (after the last step that completed, and the hooks run on it) as
+        the exception's `loop_state` attribute.
     """
     timing = np.zeros(3)
     timed = 0
-    while not (
-        (max_steps is not None and state.step >= max_steps)
-        or (n_epochs is not None and state.epoch >= n_epochs)
-    ):
-        it, n_batches = epoch_batches(state.epoch, state.position)
-        t_end = time.perf_counter()
-        for batch in it:
-            t_call = time.perf_counter()
-            model, opt_state, metrics = step_fn(
-                state.model, state.opt_state, batch.arrays, state.step
-            )
-            t_ret = time.perf_counter()
-            step, position = state.step + 1, state.position + 1
-            epoch_end = position == n_batches
-            state = dataclasses.replace(
-                state,
-                model=model,
-                opt_state=opt_state,
-                metrics=metrics,
-                step=step,
-                position=position,
-                epoch_end=epoch_end,
-                last=(max_steps is not None and step >= max_steps)
-                or (epoch_end and n_epochs is not None and state.epoch == n_epochs - 1),
-            )
-            for hook in hooks:
-                if hook.when(state):
-                    state = hook.fn(state) or state
-            t_next = time.perf_counter()
-            if timed:
-                timing += (t_call - t_end, t_ret - t_call, t_next - t_ret)
-            timed += 1
-            t_end = t_next
-            if state.last or state.stop is not None:
+    try:
+        while not (
+            (max_steps is not None and state.step >= max_steps)
+            or (n_epochs is not None and state.epoch >= n_epochs)
+        ):
+            it, n_batches = epoch_batches(state.epoch, state.position)
+            t_end = time.perf_counter()
+            for batch in it:
+                t_call = time.perf_counter()
+                state, t_ret = _step(state, batch, step_fn, n_batches, n_epochs, max_steps)
+                for hook in hooks:
+                    if hook.when(state):
+                        state = hook.fn(state) or state
+                t_next = time.perf_counter()
+                if timed:
+                    timing += (t_call - t_end, t_ret - t_call, t_next - t_ret)
+                timed += 1
+                t_end = t_next
+                if state.last or state.stop is not None:
+                    break
+            if state.stop is not None or state.last:
                 break
-        if state.stop is not None or state.last:
-            break
-        state = dataclasses.replace(state, epoch=state.epoch + 1, position=0, epoch_end=False)
+            state = dataclasses.replace(state, epoch=state.epoch + 1, position=0, epoch_end=False)
+    except BaseException as err:
+        # The last state reached, for the caller to keep (a `fit` that raises hands it on).
+        if not hasattr(err, "loop_state"):  # a nested loop's own is nearer the fault
+            err.loop_state = state  # type: ignore[attr-defined]
+        raise
     n = max(1, timed - 1)
     return state, dict(
         zip(("data_s", "step_call_s", "other_s"), (timing / n).tolist(), strict=True)
     )
+
+
+def _step(
+    state: LoopState,
+    batch: Batch,
+    step_fn: StepFn,
+    n_batches: int,
+    n_epochs: int | None,
+    max_steps: int | None,
+) -> tuple[LoopState, float]:
+    """The state after one step on `batch`, and when the step call returned."""
+    model, opt_state, metrics = step_fn(state.model, state.opt_state, batch.arrays, state.step)
+    returned = time.perf_counter()
+    step, position = state.step + 1, state.position + 1
+    epoch_end = position == n_batches
+    last = (max_steps is not None and step >= max_steps) or (
+        epoch_end and n_epochs is not None and state.epoch == n_epochs - 1
+    )
+    new = dataclasses.replace(
+        state,
+        model=model,
+        opt_state=opt_state,
+        metrics=metrics,
+        step=step,
+        position=position,
+        epoch_end=epoch_end,
+        last=last,
+    )
+    return new, returned

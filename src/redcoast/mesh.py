@@ -60,9 +60,8 @@ def make_mesh(n_model_shards: int = 1, *, devices: Sequence[Any] | None = None) 
     if n_model_shards < 1 or n % n_model_shards:
         raise ValueError(
             f"n_model_shards={n_model_shards} does not divide the {n} available devices; "
-            f"valid values are {_divisors(n)}. To simulate more devices on a CPU, start "
-            "Python with XLA_FLAGS=--xla_force_host_platform_device_count=8, or call "
-            'jax.config.update("jax_num_cpu_devices", 8) before anything touches a device.'
+            f"valid values are {_divisors(n)}. To simulate more devices on a CPU, call "
+            "rc.simulate_devices(8) before anything touches a device."
         )
     # Sort by (process, id) so that consecutive devices -- one row of the model axis --
     # live on the same host.

@@ -9,18 +9,25 @@ its process exits, however it exits (SIGKILL and power loss included), so a lock
 never outlives its run and a killed run's workdir can be resumed at once; no
 stale lock file ever has to be removed by hand.
 
-The lock file stays in the workdir between runs (removing it would let a run
-lock a file that another has just unlinked); what it holds — the holder's process
-id, host, start time and command — is only read to name the holder in the error
-of a run that is turned away. Locks work on local disks and on shared
-filesystems that support them (NFS with its lock service, Lustre mounted with
-`flock`, GPFS); where the filesystem refuses them, `hold_workdir` warns that it
-cannot keep a second run out and goes on.
+The lock is held on the workdir folder itself, which a user does not delete
+while the run trains without deleting the run; `.redcoast.lock` beside the run's
+files only says who holds it (process id, host, start time, command), for the
+error of a run that is turned away, so removing it changes nothing. Where a
+filesystem cannot lock a folder (NFS emulates `flock` with byte-range locks,
+which a folder cannot take), the lock is held on `.redcoast.lock` itself. Before
+each checkpoint, `fit` checks that the path still names what it holds locked
+(`WorkdirLock.check`): a workdir (or lock file) deleted or replaced under a
+live run stops that run, with its model in the error, before it writes into
+another run's folder. Locks work on local disks and on shared filesystems that
+support them (NFS with its lock service, Lustre mounted with `flock`, GPFS);
+where the filesystem refuses them, `hold_workdir` warns that it cannot keep a
+second run out and goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -30,7 +37,7 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -39,13 +46,16 @@ from jax.experimental import multihost_utils
 from .data import barrier
 
 LOCK_FILE = ".redcoast.lock"
-"""The file in a workdir that its live run holds locked."""
+"""The file in a workdir that says which live run holds it (and is locked itself where a
+filesystem cannot lock the folder)."""
 
 _RUN_FILES = ("ckpts", "metrics.jsonl", "eval")
 """What a run writes in its workdir: checkpoints, `metrics.jsonl` and evaluations."""
 
 # What filesystems without locks answer a flock with.
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+# What a filesystem that locks files but not folders answers a folder's flock with.
+_NO_FOLDER_LOCKS = {errno.EBADF, errno.EISDIR, errno.EINVAL, *_NO_LOCKS}
 # Process 0's verdict, broadcast as a kind and a message in this many bytes of UTF-8.
 _VERDICT_BYTES = 4096
 _HELD, _IN_USE, _FAILED = 0, 1, 2
@@ -97,7 +107,10 @@ def _in_use(workdir: str, path: str) -> str:
             f"since {holder.get('since')}: {holder.get('command')}"
         )
     else:
-        who = "a process that has not yet said which (it holds the lock as of now)"
+        who = (
+            f"a process that has not said which ({path} holds no live holder's "
+            "description; it holds the lock as of now)"
+        )
     return (
         f"workdir {workdir} is in use by another live run: {who}. Two runs in one "
         "workdir would overwrite each other's checkpoints and logs. Wait for that run "
@@ -115,22 +128,68 @@ def _me() -> dict[str, object]:
     }
 
 
-def _acquire(workdir: str) -> int | None:
-    """Lock `workdir`'s lock file: its descriptor, or None where locks are not supported.
+@dataclasses.dataclass(frozen=True)
+class WorkdirLock:
+    """What process 0 holds locked for a run: the workdir folder, or its lock file.
+
+    Attributes:
+        workdir: the run's folder.
+        path: what is locked: `workdir` itself, or `workdir/.redcoast.lock` where the
+            filesystem cannot lock a folder.
+        fd: the open descriptor that holds the `flock`.
+    """
+
+    workdir: str
+    path: str
+    fd: int
+
+    def moved(self) -> str | None:
+        """Why `path` no longer names the locked file or folder, or None while it does."""
+        try:
+            now = os.stat(self.path)
+        except OSError as err:
+            return f"{self.path} is gone ({err.strerror})"
+        held = os.fstat(self.fd)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return f"{self.path} was replaced by another file or folder"
+        return None
+
+
+def _flock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _lock_one(path: str, flags: int) -> int:
+    """An open descriptor of `path` holding its exclusive flock; OSError from `flock`."""
+    fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+    try:
+        _flock(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _acquire(workdir: str) -> WorkdirLock | None:
+    """Lock `workdir` (or its lock file): the held lock, or None where locks are not supported.
 
     Raises:
         WorkdirInUseError: another open file description holds the lock.
     """
-    os.makedirs(workdir or os.curdir, exist_ok=True)
-    path = os.path.join(workdir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    root = workdir or os.curdir
+    os.makedirs(root, exist_ok=True)
+    note = os.path.join(root, LOCK_FILE)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            held = WorkdirLock(root, root, _lock_one(root, os.O_RDONLY))
+        except OSError as err:
+            if isinstance(err, BlockingIOError) or err.errno not in _NO_FOLDER_LOCKS:
+                raise
+            # The filesystem locks files only: the lock file is what is held.
+            held = WorkdirLock(root, note, _lock_one(note, os.O_RDWR | os.O_CREAT))
     except BlockingIOError:
-        os.close(fd)
-        raise WorkdirInUseError(_in_use(workdir, path)) from None
+        raise WorkdirInUseError(_in_use(workdir, note)) from None
     except OSError as err:
-        os.close(fd)
         if err.errno not in _NO_LOCKS:
             raise
         warnings.warn(
@@ -142,10 +201,26 @@ def _acquire(workdir: str) -> int | None:
             stacklevel=4,
         )
         return None
-    text = json.dumps(_me()).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, text, 0)
-    return fd
+    _describe(note, held.fd if held.path == note else None)
+    return held
+
+
+def _describe(note: str, fd: int | None) -> None:
+    """Write who holds the workdir into its lock file, for a run that is turned away.
+
+    `fd` is the lock file's held descriptor when the file is what is locked: where
+    `flock` is emulated by POSIX locks (NFS), closing any other descriptor of the
+    file would drop the lock.
+    """
+    own = fd is None
+    if fd is None:
+        fd = os.open(note, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_me()).encode(), 0)
+    finally:
+        if own:
+            os.close(fd)
 
 
 def _agree(verdict: tuple[int, str]) -> tuple[int, str]:
@@ -162,20 +237,23 @@ def _agree(verdict: tuple[int, str]) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
-def hold_workdir(workdir: str | os.PathLike[str]) -> Iterator[None]:
+def hold_workdir(workdir: str | os.PathLike[str]) -> Iterator[Callable[[], None]]:
     """Hold `workdir` for one run: no other process may hold it until the block exits.
 
-    Process 0 creates the workdir if needed and takes an exclusive `flock` on
-    `workdir/.redcoast.lock`, before anything in the workdir is read or written;
-    the other processes of a multi-process job wait for its verdict and all stop
-    together when it is refused. The lock is released when the block exits, by
-    return or exception, and by the kernel when the process dies.
+    Process 0 creates the workdir if needed and takes an exclusive `flock` on the
+    folder (on `workdir/.redcoast.lock` where the filesystem cannot lock a
+    folder), before anything in the workdir is read or written; the other
+    processes of a multi-process job wait for its verdict and all stop together
+    when it is refused. The lock is released when the block exits, by return or
+    exception, and by the kernel when the process dies.
 
     Args:
         workdir: the run's folder.
 
     Yields:
-        Nothing; the workdir is held inside the block.
+        `check()`, to call on every process before writing into the workdir: it
+        raises `WorkdirInUseError` on all of them when the workdir (or the lock
+        file that is held) was deleted or replaced since it was locked.
 
     Raises:
         WorkdirInUseError: another live run holds the workdir; the message names its
@@ -184,16 +262,16 @@ def hold_workdir(workdir: str | os.PathLike[str]) -> Iterator[None]:
             processes raise `RuntimeError` with its message).
 
     Example:
-        >>> with hold_workdir("runs/x"):
-        ...     ...   # the only live run writing runs/x
+        >>> with hold_workdir("runs/x") as check:
+        ...     check()   # still the only live run writing runs/x
     """
     root = os.fspath(workdir)
-    fd: int | None = None
+    held: WorkdirLock | None = None
     verdict: tuple[int, str] = (_HELD, "")
     failure: BaseException | None = None
     if jax.process_index() == 0:
         try:
-            fd = _acquire(root)
+            held = _acquire(root)
         except WorkdirInUseError as err:
             verdict = (_IN_USE, str(err))
         except BaseException as err:  # the others must still hear a verdict
@@ -209,11 +287,23 @@ def hold_workdir(workdir: str | os.PathLike[str]) -> Iterator[None]:
         raise WorkdirInUseError(message)
     if kind == _FAILED:
         raise RuntimeError(message)
+
+    def check() -> None:
+        why = None if held is None else held.moved()
+        kind, message = _agree((_HELD, "") if why is None else (_IN_USE, why))
+        if kind == _IN_USE:
+            raise WorkdirInUseError(
+                f"workdir {root} is no longer this run's: {message} while the run trained, "
+                "so another run may hold it now, and this run writes no checkpoint there. "
+                "Its last state is in this error (`loop_state`, when it comes out of fit): "
+                "save it elsewhere, or start again in another workdir."
+            )
+
     try:
-        yield
+        yield check
     finally:
-        if fd is not None:
-            os.close(fd)  # closing the last descriptor of the file releases the flock
+        if held is not None:
+            os.close(held.fd)  # closing the last descriptor releases the flock
 
 
 def claim_workdir(workdir: str, *, resume: bool, overwrite: bool, lead: bool) -> None:
@@ -226,13 +316,8 @@ def claim_workdir(workdir: str, *, resume: bool, overwrite: bool, lead: bool) ->
         lead: this is process 0, which deletes; every process must call this.
 
     Raises:
-        ValueError: both `resume` and `overwrite`.
         FileExistsError: a fresh run without `overwrite` where another run left files.
     """
-    if resume and overwrite:
-        raise ValueError(
-            "resume=True continues the run in workdir and overwrite=True deletes it; pass one."
-        )
     found = [
         name
         for name in _RUN_FILES

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from redcoast._simulated import SIMULATED_XLA_FLAGS
 from redcoast.distributed import free_port
 from redcoast.workdir import hold_workdir
 
@@ -43,7 +44,7 @@ def _single(out: Path, *extra: str) -> Path:
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {SIMULATED_XLA_FLAGS}",
     }
     for var in ("REDCOAST_COORDINATOR_ADDRESS", "REDCOAST_NUM_PROCESSES", "REDCOAST_PROCESS_ID"):
         env.pop(var, None)
@@ -207,7 +208,7 @@ def test_context_parallelism_over_two_processes_equals_the_rows_split_on_one(
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {SIMULATED_XLA_FLAGS}",
     }
     single = tmp_path / "single"
     _run(
@@ -229,3 +230,49 @@ def test_context_parallelism_over_two_processes_equals_the_rows_split_on_one(
         )
         # Every process collates whole batches: the rows a single process collates.
         assert r["calls"] == reference["calls"]
+
+
+ACROSS = Path(__file__).parent / "resume_across.py"
+
+
+def _across(workdir: Path, out: Path, kind: str, layout: str, steps: int, *flags: str,
+            nprocs: int = 1) -> Path:  # fmt: skip
+    """`resume_across.py` alone (8 devices) or under `redcoast launch` (nprocs x 8/nprocs)."""
+    script = [sys.executable, str(ACROSS), str(workdir), str(out), kind, layout, str(steps)]
+    if nprocs == 1:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {SIMULATED_XLA_FLAGS}"
+        for var in ("REDCOAST_COORDINATOR_ADDRESS", "REDCOAST_NUM_PROCESSES"):
+            env.pop(var, None)
+        _run([*script, *flags], env, out.with_suffix(".log"))
+    else:
+        command = [sys.executable, "-m", "redcoast", "launch", "--nprocs", str(nprocs)]
+        command += ["--devices-per-proc", str(8 // nprocs), "--port", str(free_port()), "--"]
+        _run([*command, *script, *flags], dict(os.environ), out.with_suffix(".log"))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "first", "then"),
+    # (kind, (processes, layout) before the stop, after it)
+    [("fsdp", (2, "2x4"), (1, "8x1")), ("lora", (1, "8x1"), (2, "2x4"))],
+)
+def test_a_run_resumed_on_another_process_count_equals_one_never_interrupted(
+    tmp_path: Path, kind: str, first: tuple[int, str], then: tuple[int, str]
+) -> None:
+    """Checkpointed by 2 processes x 4 devices and resumed by 1 x 8, and the other way:
+    the losses and parameters of an uninterrupted run (tolerances of tests/test_resume.py)."""
+    straight = _across(tmp_path / "a", tmp_path / "straight", kind, first[1], 6, nprocs=first[0])
+    _across(tmp_path / "b", tmp_path / "stopped", kind, first[1], 3, nprocs=first[0])
+    resumed = _across(
+        tmp_path / "b", tmp_path / "resumed", kind, then[1], 6, "--resume", nprocs=then[0]
+    )
+    want = json.loads((straight / "losses.json").read_text())
+    got = json.loads((resumed / "losses.json").read_text())
+    assert sorted(got, key=int) == [str(s) for s in range(1, 7)]
+    np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(got)],
+                               rtol=2e-6)  # fmt: skip
+    with np.load(straight / "params.npz") as a, np.load(resumed / "params.npz") as b:
+        assert len(a.files) == len(b.files) > 0
+        for key in a.files:
+            np.testing.assert_allclose(b[key], a[key], rtol=0, atol=2e-5, err_msg=key)
