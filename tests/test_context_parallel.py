@@ -19,7 +19,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast.models import Attention, dense, rotate
+from redcoast.models import Attention, rotate
+from redcoast.nn import dense
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from tiny import drawn
 
 import redcoast as rc
-from redcoast._context_parallel import check_context
+from redcoast._parallelism import check_options
 
 ROWS = np.random.default_rng(0).integers(0, 128, (8, 16)).astype(np.int32)
 
@@ -257,6 +257,21 @@ def test_a_sequence_the_data_axis_does_not_divide_is_refused_naming_the_lengths(
     assert "Make the rows 16 tokens long" in message
 
 
+class PlainMLP(eqx.Module):
+    """Tokens that never meet: nothing for context parallelism to split."""
+
+    embed: eqx.nn.Embedding
+    head: eqx.nn.Linear
+
+    def __init__(self, *, key: PRNGKeyArray):
+        ke, kh = jax.random.split(key)
+        self.embed = eqx.nn.Embedding(128, 32, key=ke)
+        self.head = eqx.nn.Linear(32, 128, key=kh)
+
+    def __call__(self, ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        return jax.vmap(self.head)(jax.vmap(self.embed)(ids))
+
+
 def test_what_context_parallelism_cannot_split_is_refused() -> None:
     mesh = rc.make_mesh(2)
     context = rc.ContextParallel(mesh)
@@ -264,16 +279,29 @@ def test_what_context_parallelism_cannot_split_is_refused() -> None:
         rc.models.T5,
         rc.models.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4),
     )
-    with pytest.raises(ValueError, match=r"encoder-decoder attention.*sequence_parallel=True"):
-        context.apply(t5)
+    batch = {
+        "input_ids": jnp.zeros((2, 8), jnp.int32),
+        "labels": jnp.zeros((2, 8), jnp.int32),
+    }
+
+    def t5_loss(model, b, key):
+        logits = jax.vmap(model)(b["input_ids"], b["labels"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["labels"]).mean()
+
+    with pytest.raises(ValueError, match=r"\(query, key\) mask or bias.*sequence_parallel=True"):
+        rc.eval_step(t5_loss, context_parallel=context)(t5, batch, jax.random.key(0))
+    # A user's model whose attention is eqx.nn.MultiheadAttention, and one without any:
+    # their tokens would be gathered whole (or there is nothing to split).
+    for model in (UserLM(None, key=jax.random.key(0)), PlainMLP(key=jax.random.key(0))):
+        with pytest.raises(ValueError, match=r"attends through neither rc.nn.attention"):
+            steps(model, ROWS[:2], 1)
     with pytest.raises(ValueError, match="axis='seq' is not an axis of this mesh"):
         rc.ContextParallel(mesh, axis="seq")
     # Under the tests' type checking the annotation refuses it first.
     with pytest.raises((ValueError, TypeError), match="strategy"):
         rc.ContextParallel(mesh, strategy="tree")  # type: ignore[arg-type]
-    # The steps' own check (the tests' type checking refuses a bool before it).
-    with pytest.raises(TypeError, match=r"rc.ContextParallel\(mesh\); got bool"):
-        check_context(True)
+    with pytest.raises(TypeError, match=r"rc.ContextParallel\(mesh\); got str"):
+        check_options(False, "ring")
     with pytest.raises(ValueError, match="data_parallel='jit' with context_parallel"):
         rc.train_step(
             lm_loss, optax.sgd(0.1), mesh=mesh, data_parallel="shard_map", context_parallel=context

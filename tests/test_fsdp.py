@@ -140,7 +140,7 @@ def data_all_gathers(compiled_text: str, mesh: object) -> list[hlo.Collective]:
     "scan_layers", [pytest.param(True, id="scan"), pytest.param(False, id="unrolled")]
 )
 def test_a_step_jitted_by_plain_jax_jit_gathers_as_redcoasts_own_step(scan_layers: bool) -> None:
-    """No context around the jit: the model says which weights FSDP gathers."""
+    """A user's own jax.jit of the plain step, given the Parallelism read from the model."""
     mesh = rc.make_mesh(1)  # 8 data shards: every weight split over the data axis
     batch = jax.device_put({"ids": IDS}, NamedSharding(mesh, P("data")))
     key = jax.random.key(0)
@@ -150,10 +150,11 @@ def test_a_step_jitted_by_plain_jax_jit_gathers_as_redcoasts_own_step(scan_layer
         example_call=lambda m: loss_fn(m, batch, key),
         fsdp=True,
     )
-    assert model.fsdp_layout is not None
+    parallelism = rc.Parallelism.of(model)
+    assert parallelism.fsdp is not None
     optimizer = optax.sgd(0.5)
     state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    core = rc.train_step(loss_fn, optimizer, mesh=mesh, jit=False)
+    core = rc.train_step(loss_fn, optimizer, mesh=mesh, jit=False, parallelism=parallelism)
     params, static = eqx.partition(model, eqx.is_array)
 
     def run(p, s, b, k):
@@ -183,9 +184,9 @@ def test_a_step_jitted_by_plain_jax_jit_gathers_as_redcoasts_own_step(scan_layer
     np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-6)
     for g, w in zip(arrays(got_params), arrays(want_model), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
-    # The trained model placed again records the layout it had: its optimizer state,
-    # made from the placed model, still fits it.
-    assert rc.place(want_model, mesh).fsdp_layout == model.fsdp_layout
+    # The trained model is laid out as it was, and its structure never changed.
+    assert rc.Parallelism.of(want_model).fsdp == parallelism.fsdp
+    assert jax.tree.structure(want_model) == jax.tree.structure(model)
 
 
 SEQ2SEQ = {
@@ -252,7 +253,9 @@ def test_encoder_decoders_gather_their_embeddings_as_the_decoders_do(
     )
     assert all("data" in str(spec) for spec in specs_of(model))
     optimizer = optax.sgd(0.5, momentum=0.9)
-    core = rc.train_step(seq2seq_loss, optimizer, mesh=mesh, jit=False)
+    core = rc.train_step(
+        seq2seq_loss, optimizer, mesh=mesh, jit=False, parallelism=rc.Parallelism.of(model)
+    )
     params, static = eqx.partition(model, eqx.is_array)
 
     def run(p, s, b, k):
@@ -302,7 +305,6 @@ def test_a_model_placed_without_redcoast_gathers_nothing() -> None:
         ),
         eqx.filter(model, eqx.is_array, inverse=True),
     )
-    assert by_hand.fsdp_layout is None
     params, static = eqx.partition(by_hand, eqx.is_array)
     text = (
         jax.jit(lambda p, b: loss_fn(eqx.combine(p, static), b, jax.random.key(0)))
@@ -400,13 +402,10 @@ def test_checkpoints_move_between_fsdp_and_tensor_parallel_layouts(tmp_path: Pat
     assert all("data" in str(s) for s in specs_of(back.model))
     for a, b in zip(arrays(back.model), arrays(fsdp_model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # The loaded model records its new layout, and so do the optimizer's copies of it
-    # (mu, nu), so that the step's optimizer update sees one structure.
-    assert tp.model.fsdp_layout is None
-    assert back.model.fsdp_layout == fsdp_model.fsdp_layout
-    copies = jax.tree.leaves(back.opt_state, is_leaf=lambda x: isinstance(x, rc.fsdp.FSDPModule))
-    copies = [x for x in copies if isinstance(x, rc.fsdp.FSDPModule)]
-    assert copies and all(x.fsdp_layout == back.model.fsdp_layout for x in copies)
+    # The layout is read from where the arrays are; the structure is the same in both.
+    assert rc.Parallelism.of(tp.model).fsdp is None
+    assert rc.Parallelism.of(back.model).fsdp == rc.Parallelism.of(fsdp_model).fsdp
+    assert jax.tree.structure(back.model) == jax.tree.structure(tp.model)
     run_steps(back.model, mesh, n=1, optimizer=optimizer, opt_state=back.opt_state)
 
 
@@ -449,7 +448,7 @@ def test_fsdp_adds_no_model_axis_traffic_to_tensor_parallelism(scan_layers: bool
         params, static = eqx.partition(model, eqx.is_inexact_array)
         optimizer = optax.adamw(1e-2)
         state = optimizer.init(params)
-        step = rc.train_step(loss_fn, optimizer, jit=False)
+        step = rc.train_step(loss_fn, optimizer, jit=False, parallelism=rc.Parallelism.of(model))
 
         def run(p, s, b, k, step=step, static=static):
             m, s, metrics = step(eqx.combine(p, static), s, b, k)

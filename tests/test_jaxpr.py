@@ -26,7 +26,7 @@ from redcoast import _jaxpr
 from redcoast._dataflow import RULES, trace_dataflow
 from redcoast._jaxpr import UnknownLayout
 from redcoast.fsdp import GATHERED, remat_policy
-from redcoast.models.layers import dense, normalise
+from redcoast.nn import dense, normalise
 
 X = jnp.ones((3, 8))
 W = jnp.ones((8, 8))

@@ -125,7 +125,7 @@ def test_peft_bad_input(tmp_path):
     path.write_text(json.dumps({**json.loads(path.read_text()), "use_dora": True}))
     with pytest.raises(ValueError, match=r"PEFT options \{'use_dora': True\} are not supported"):
         rc.lora.load_peft(gpt2, tmp_path / "dora")
-    with pytest.raises(TypeError, match="need a zoo model"):
+    with pytest.raises(TypeError, match="need a model with a Hugging Face tensor map"):
         rc.lora.save_peft(
             rc.lora.apply(
                 eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0)),

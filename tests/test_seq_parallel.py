@@ -297,7 +297,9 @@ def test_under_your_own_jit_true_asks_for_the_split_itself() -> None:
     optimizer = optax.sgd(0.1)
     state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     step = eqx.filter_jit(rc.train_step(lm_loss, optimizer, jit=False, sequence_parallel=True))
-    with pytest.raises(ValueError, match=r"sequence_parallel=rc.SequenceParallel.of\(model\)"):
+    with pytest.raises(
+        ValueError, match=r"parallelism=rc.Parallelism.of\(model, sequence_parallel"
+    ):
         step(model, state, {"ids": IDS}, jax.random.key(0))
 
 

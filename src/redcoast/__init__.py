@@ -10,9 +10,11 @@ from . import distributed as distributed
 from . import fsdp as fsdp
 from . import lora as lora
 from . import models as models
+from . import nn as nn
 from . import text as text
 from ._context import context_parallel_attention as context_parallel_attention
 from ._context_parallel import ContextParallel as ContextParallel
+from ._parallelism import Parallelism as Parallelism
 from ._seq_parallel import SequenceParallel as SequenceParallel
 from ._simulated import simulate_devices as simulate_devices
 from .checkpoint import Checkpoint as Checkpoint
@@ -38,10 +40,11 @@ from .loop import Hook as Hook
 from .loop import LoopState as LoopState
 from .loop import every as every
 from .mesh import make_mesh as make_mesh
+from .models.planning import memory_plan as memory_plan
 from .place import place as place
 from .place import sharded_init as sharded_init
 from .planner import MemoryPlan as MemoryPlan
-from .planner import memory_plan as memory_plan
+from .planner import PlannedModel as PlannedModel
 from .precision import cast as cast
 from .rematerialisation import remat as remat
 from .sharding import ShardingPlan as ShardingPlan

@@ -42,6 +42,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from . import _active
+
 __all__ = ["context_parallel_attention"]
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)
@@ -428,6 +430,9 @@ def context_parallel_attention(
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mask = None if mask is None else jnp.asarray(mask)
     _check(q, k, v, mask, mesh, axis, causal, strategy)
+    active = _active.current()
+    if active is not None:  # a split attention of the model a step runs
+        active.attention_calls += 1
     batch = q.shape[:-3]
     keep = jnp.ones(k.shape[:-2], dtype=bool) if mask is None else mask.astype(bool)
     flat = int(np.prod(batch, dtype=np.int64))

@@ -1,12 +1,11 @@
 """Context parallelism for whole models: every sequence split over a mesh axis.
 
 `ContextParallel` splits axis 1 (the sequence) of every batch array over a mesh
-axis, the data axis by default, and has the zoo's decoder attention run
+axis, the data axis by default, and has `redcoast.nn.attention` run
 `context_parallel_attention` over it; everything else a decoder computes works
 token by token, and the compiler keeps it split along the sequence.
 """
 
-import copy
 import dataclasses
 import math
 from typing import Any, Literal
@@ -19,31 +18,23 @@ from jaxtyping import Array, Float, PyTree
 
 from ._context import STRATEGIES, context_parallel_attention
 from .mesh import DATA
-from .models.layers import Attention
-from .models.seq2seq import Seq2SeqAttention
 
 __all__ = ["ContextParallel", "check_context"]
 
 
-def _is_attention(x: object) -> bool:
-    return isinstance(x, Attention | Seq2SeqAttention)
-
-
-def _attention_layers(tree: PyTree) -> list[object]:
-    return [x for x in jax.tree.leaves(tree, is_leaf=_is_attention) if _is_attention(x)]
-
-
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
-    """Every sequence split over a mesh axis: context parallelism for the zoo's decoders.
+    """Every sequence split over a mesh axis: context parallelism for causal models.
 
     Device `i` of `axis` holds the `i`-th contiguous block of every sequence of the
     batch, so no device holds a whole sequence's activations, and the whole batch
     (no row is split off to another device of `axis`). The per-token parts of a model
     (embeddings, norms, projections, the loss) need nothing: the compiler keeps them
-    split along the sequence. Attention is the one place where tokens meet; the
-    zoo's decoder attention (`redcoast.models.Attention`, in GPT-2, OPT, GPT-J and
-    LLaMA) then runs `context_parallel_attention` over `axis`, causally.
+    split along the sequence. Attention is the one place where tokens meet:
+    `redcoast.nn.attention` (the zoo's decoders', or a user's model's) then runs
+    `context_parallel_attention` over `axis`, causally. A model that attends
+    otherwise, or not at all, is refused: its attention would gather the whole
+    sequence on every device.
 
     With the default `axis="data"` the data axis splits each sequence instead of the
     batch: a batch smaller than the data axis (down to one sequence) trains on every
@@ -111,38 +102,6 @@ class ContextParallel:
         return context_parallel_attention(
             q, k, v, mesh=self.mesh, axis=self.axis, causal=True, strategy=self.strategy
         )
-
-    def apply(self, model: PyTree) -> PyTree:
-        """`model` with each zoo decoder attention in it attending over the split sequence.
-
-        A model of your own attends over the split sequence by calling
-        `rc.context_parallel_attention` (with this mesh and axis) in its attention;
-        everything else it computes token by token needs nothing. Attention computed
-        otherwise (`eqx.nn.MultiheadAttention.__call__`, a `(query, key)` mask) still
-        gives the same numbers, but the compiler gathers the whole sequence for it.
-
-        Raises:
-            ValueError: `model` holds an encoder-decoder attention (T5, BART), whose
-                masks are `(query, key)` matrices this split cannot take.
-        """
-        layers = _attention_layers(model)
-        if any(isinstance(x, Seq2SeqAttention) for x in layers):
-            raise ValueError(
-                "context parallelism splits the causal attention of the zoo's decoders "
-                "(GPT-2, OPT, GPT-J, LLaMA); this model holds encoder-decoder attention (T5, "
-                "BART), whose padding masks and relative position biases are (query, key) "
-                "matrices it cannot split. Train it with sequence_parallel=True over the "
-                "model axis instead."
-            )
-
-        def one(x: object) -> object:
-            if not isinstance(x, Attention):
-                return x
-            new = copy.copy(x)
-            object.__setattr__(new, "context", self)  # a static field
-            return new
-
-        return jax.tree.map(one, model, is_leaf=_is_attention)
 
     def constrain(self, batch: PyTree) -> PyTree:
         """`batch` with axis 1 (the sequence) of every array of 2+ dimensions split over `axis`.

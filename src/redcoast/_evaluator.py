@@ -14,7 +14,6 @@ import jax
 import numpy as np
 
 from ._resume import Run
-from ._seq_parallel import SequenceParallel
 from .data import CollateFn, batches
 from .evaluate import Evaluation, inference, scalar_metrics
 from .inference_step import jit_eval_first, predict_step
@@ -38,19 +37,13 @@ def evaluator(
     """`state -> metrics`: one evaluation, logged, and written to `workdir/eval`."""
     eval_dir = None if run.root is None or not run.lead else os.path.join(run.root, "eval")
     mesh, key = run.mesh, run.key
-    split = run.split if isinstance(run.split, SequenceParallel) else None
     loss_step = functools.partial(
-        jit_eval_first, loss_fn, precision=precision, split=split, context=run.context
+        jit_eval_first, loss_fn, precision=precision, parallelism=run.parallelism
     )
     pred_step = (
         None
         if evaluation.pred_fn is None
-        else predict_step(
-            evaluation.pred_fn,
-            precision=precision,
-            sequence_parallel=run.split,
-            context_parallel=run.context,
-        )
+        else predict_step(evaluation.pred_fn, precision=precision, parallelism=run.parallelism)
     )
 
     def evaluate(s: LoopState) -> dict[str, float]:

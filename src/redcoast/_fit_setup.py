@@ -12,9 +12,9 @@ import optax
 from jaxtyping import PyTree
 
 from ._ckpt_run import Checkpointing
+from ._parallelism import Parallelism, SequenceOption
 from ._resume import Run
 from ._resume import resume as resume_run
-from ._seq_parallel import KEEP_GATHERED, SequenceParallel
 from .checkpoint import fingerprint
 from .data import check_positive
 from .evaluate import Evaluation
@@ -89,21 +89,22 @@ def start(
     *,
     fsdp: bool,
     precision: str,
-    sequence_parallel: bool | str,
+    sequence_parallel: SequenceOption,
     trainable: Trainable,
     evaluation: Evaluation | None,
     resume: bool,
 ) -> tuple[Run, LoopState, dict[str, Any], PyTree]:
     """The placed model and its optimizer state, resumed (not yet handed over: see
-    `hand_over`), with the run's split and trainable part recorded; the history so
+    `hand_over`), with the run's parallelism and trainable part recorded; the history so
     far; the trainable mask."""
     model, opt_state = given
     placed = place(model, run.mesh, example_call=example_call, fsdp=fsdp)
     if precision == "pure-bf16":
         placed = cast(placed, param_dtype(precision))
-    if sequence_parallel:
-        keep = sequence_parallel == KEEP_GATHERED
-        run = dataclasses.replace(run, split=SequenceParallel.of(placed, keep_gathered=keep))
+    parallelism = Parallelism.of(
+        placed, sequence_parallel=sequence_parallel, context_parallel=run.context or False
+    )
+    run = dataclasses.replace(run, parallelism=parallelism)
     mask = trainable_mask(placed, trainable)
     if trainable is not None:
         frozen = fingerprint(eqx.filter(placed, frozen_mask(placed, mask)))

@@ -1,10 +1,13 @@
-"""LoRA adapters in Hugging Face PEFT's folder format, for the zoo's models.
+"""LoRA adapters in Hugging Face PEFT's folder format, for models that map to `transformers`.
 
 PEFT names an adapter's tensors after the `transformers` module it adapts
-(`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`); a zoo model's
-`hf_tensors` already say which of its Linears each such module is, so the names
-follow from them. PEFT's `lora_A` / `lora_B` are `(r, in)` / `(out, r)` whatever
-the base layer's layout (GPT-2's `Conv1D` too), as `lora_a` / `lora_b` are here.
+(`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`). A model that
+says how its arrays map to a `transformers` checkpoint -- a `config` and a class
+method `hf_tensors(config)` of tensor maps, as the zoo's models have
+(`redcoast.models.hf.TensorMap`) -- already says which of its Linears each such
+module is, so the names follow from them. PEFT's `lora_A` / `lora_B` are `(r, in)` /
+`(out, r)` whatever the base layer's layout (GPT-2's `Conv1D` too), as `lora_a` /
+`lora_b` are here.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from safetensors.numpy import load_file, save_file
 from ._lora import LoRAEmbedding, LoRALinear, adapted_paths, apply, check_alpha, lora_layers
 from ._tree_paths import leaves_with_paths, path_str
 from .data import to_host
-from .models.hf import HFModel
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -58,12 +60,13 @@ def _modules(model: Any) -> dict[str, tuple[str, int | None, bool]]:
     Only per-layer maps of one tensor onto one Linear weight qualify; a fused tensor
     (GPT-2's `c_attn` holds Q, K and V) is absent, and so refused by the callers.
     """
-    if not isinstance(model, HFModel):
+    if not (callable(getattr(type(model), "hf_tensors", None)) and hasattr(model, "config")):
         raise TypeError(
             "PEFT names an adapter's tensors after the transformers module it adapts, so "
-            "save_peft/load_peft need a zoo model with a Hugging Face mapping (GPT2, "
-            f"Llama, OPT, GPTJ, ...); got {type(model).__name__}. Save a custom model's "
-            "adapters with rc.save_checkpoint."
+            "save_peft/load_peft need a model with a Hugging Face tensor map (a `config` "
+            "and a class method `hf_tensors(config)`, as the zoo's GPT2, Llama, OPT, GPTJ "
+            f"have); got {type(model).__name__}. Save a custom model's adapters with "
+            "rc.save_checkpoint."
         )
 
     def is_linear(x: Any) -> bool:

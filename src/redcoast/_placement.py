@@ -20,7 +20,6 @@ from jaxtyping import PyTree
 
 from ._sharding_plan import spec_str, spec_tree
 from ._tree_paths import leaves_with_paths, path_str
-from .fsdp import record_layout
 
 __all__ = [
     "abstract_arrays",
@@ -196,7 +195,7 @@ def shard(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
         placed = jax.device_put(flat, shardings)
     else:
         placed = [_place_global(x, s) for x, s in zip(flat, shardings, strict=True)]
-    return record_layout(eqx.combine(jax.tree_util.tree_unflatten(treedef, placed), static))
+    return eqx.combine(jax.tree_util.tree_unflatten(treedef, placed), static)
 
 
 def _place_global(x: Any, sharding: NamedSharding) -> jax.Array:

@@ -1,13 +1,14 @@
 """The train step `memory_plan` measures: built as `fit` runs it, on abstract shapes, compiled.
 
-The zoo model is built with `eqx.filter_eval_shape`, placed by the sharding plan
-(tensor parallelism, FSDP), given LoRA adapters and an AdamW state when asked,
-and the step is lowered and compiled for the layout's devices; XLA's memory
-analysis gives the bytes, and the shardings the parameters' and state's own.
+The model (a `PlannedModel`) is built with `eqx.filter_eval_shape`, placed by the
+sharding plan (tensor parallelism, FSDP), given LoRA adapters and an AdamW state
+when asked, and the step is lowered and compiled for the layout's devices; XLA's
+memory analysis gives the bytes, and the shardings the parameters' and state's own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -24,15 +25,84 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ._context_parallel import ContextParallel
 from ._memory_plan import Layout, LoRA
+from ._parallelism import Parallelism
 from ._placement import optimizer_specs, sharding_tree
 from ._sharding_plan import ShardingPlan
 from ._tree_paths import leaves_with_paths, path_str
-from .fsdp import record_layout
 from .mesh import DATA, make_mesh
-from .models import AbstractSeq2SeqLM, lm_loss
 from .sharding import sharding_plan
+from .step import LossFn
 
-__all__ = ["compile_step", "plan_specs", "with_lora"]
+__all__ = ["PlannedModel", "compile_step", "plan_specs", "with_lora"]
+
+
+def next_token_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """A language model's loss on rows of `seq_len + 1` ids: each next token, from the rest."""
+    del key
+    ids = batch["input_ids"]
+    logits = jax.vmap(model)(ids[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), ids[:, 1:]
+    ).mean()
+
+
+def whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """`next_token_loss` with the model run on rows of exactly `seq_len` ids, as context
+    parallelism splits them; the last position predicts nothing."""
+    del key
+    ids = batch["input_ids"]
+    logits = jax.vmap(model)(ids)[:, :-1]
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), ids[:, 1:]
+    ).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedModel:
+    """A model as `memory_plan` sees it: how to build it, its loss, and its limits.
+
+    Attributes:
+        name: how the report names it.
+        build: `remat policy -> (key -> model)`; a factory that decides its own
+            remat ignores the policy (`remats=False`).
+        loss_fn: the train step's loss on `{"input_ids": int32 (rows, seq_len + 1)}`.
+        whole_rows_loss: the loss on rows of exactly `seq_len` ids, as context
+            parallelism gives them (`rc.models.lm_loss` does so).
+        example_call: what the sharding rules trace (`model -> output`); default
+            `loss_fn` on a row of 8 ids.
+        heads: attention heads, which the model axis must divide; None if unknown.
+        positions: the longest sequence the model takes; None if unlimited.
+        no_context_parallel: why context parallelism cannot split this model (an
+            encoder-decoder's masks), or None.
+        remats: `build` honours the remat policy, so a search may try them.
+    """
+
+    name: str
+    build: Callable[[str], Callable[[PRNGKeyArray], Any]]
+    loss_fn: LossFn = next_token_loss
+    whole_rows_loss: LossFn = whole_rows_loss
+    example_call: Callable[[Any], Any] | None = None
+    heads: int | None = None
+    positions: int | None = None
+    no_context_parallel: str | None = None
+    remats: bool = True
+
+    @classmethod
+    def of_factory(cls, make: Callable[[PRNGKeyArray], Any]) -> PlannedModel:
+        """A factory `key -> causal LM` (token ids in, logits out), planned as it is."""
+        return cls("model", lambda _remat: make, remats=False)
+
+    def factory(self, remat: str, lora: LoRA | None) -> Callable[[PRNGKeyArray], Any]:
+        """`key -> model` under `remat`, with the adapters of `lora`."""
+        make = self.build(remat)
+        return make if lora is None else with_lora(make, lora)
+
+    def trace(self, model: Any) -> Any:
+        """The call the sharding rules trace."""
+        if self.example_call is not None:
+            return self.example_call(model)
+        ids = jnp.zeros((1, 9), jnp.int32)
+        return self.loss_fn(model, {"input_ids": ids}, jax.random.key(0))
 
 
 def _not_head(path: str, linear: Any) -> bool:
@@ -74,25 +144,6 @@ def _lora_arrays(
     return jax.tree.map(store, params, on_params), eqx.filter(params, on_params), mask
 
 
-def _loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
-    del key
-    ids = batch["input_ids"]
-    if isinstance(model, AbstractSeq2SeqLM):
-        # Source and target of the same length: the sequence and itself shifted.
-        logits = jax.vmap(lambda s, d: model(s, d))(ids[:, :-1], ids[:, :-1])
-    else:
-        logits = jax.vmap(model)(ids[:, :-1])
-    labels = ids[:, 1:]
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), labels
-    ).mean()
-
-
-def _whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
-    """The decoders' loss on rows of exactly `seq_len` tokens (`rc.models.lm_loss`)."""
-    return lm_loss(model, batch, key)[0]
-
-
 def _abstract(tree: PyTree, shardings: PyTree, dtype: Any = None) -> PyTree:
     def one(leaf: Any, sharding: Any) -> Any:
         d = leaf.dtype if dtype is None or not jnp.issubdtype(leaf.dtype, jnp.floating) else dtype
@@ -113,18 +164,18 @@ def _local_bytes(tree: PyTree) -> int:
     return total
 
 
-def plan_specs(abstract: Any, layout: Layout) -> ShardingPlan:
+def plan_specs(abstract: Any, layout: Layout, model: PlannedModel) -> ShardingPlan:
     n_data = layout.devices // layout.n_model_shards
     return sharding_plan(
         abstract,
         layout.n_model_shards,
-        example_call=getattr(type(abstract), "trace_call", None),
+        example_call=model.trace,
         fsdp=n_data if layout.fsdp else 1,
     )
 
 
 def _placed_params(
-    make: Callable[[PRNGKeyArray], Any],
+    model: PlannedModel,
     key: PRNGKeyArray,
     layout: Layout,
     mesh: Mesh,
@@ -133,14 +184,12 @@ def _placed_params(
     """The model's arrays, abstract and placed by the sharding plan: (the arrays in the
     dtypes they are stored in, the rest of the model, the trainable arrays, the step's
     trainable mask or `None`)."""
-    abstract = eqx.filter_eval_shape(make, key)
-    specs = plan_specs(abstract, layout).specs
+    abstract = eqx.filter_eval_shape(model.factory(layout.remat, lora), key)
+    specs = plan_specs(abstract, layout, model).specs
     shardings = sharding_tree(abstract, mesh, specs)
     arrays, static = eqx.partition(abstract, _is_abstract)
     master = jnp.bfloat16 if layout.precision == "pure-bf16" else None
-    # The model records its FSDP layout from the abstract arrays' shardings, as
-    # `rc.place` does from real ones, so the step gathers as `fit`'s does.
-    placed = record_layout(eqx.combine(_abstract(arrays, shardings, master), static))
+    placed = eqx.combine(_abstract(arrays, shardings, master), static)
     params, static = eqx.partition(placed, _is_abstract)
     params, trained, mask = _lora_arrays(placed, params, lora)
     return params, static, trained, mask
@@ -168,17 +217,16 @@ def _placed_opt_state(
 
 
 def compile_step(
-    make: Callable[[PRNGKeyArray], Any], layout: Layout, lora: LoRA | None = None
+    model: PlannedModel, layout: Layout, lora: LoRA | None = None
 ) -> tuple[int, int, int, int, int, int, float]:
     """(n_params, params, opt_state, gradients, temporaries, peak, seconds) per device."""
-    from ._seq_parallel import SequenceParallel
     from .step import train_step
 
     devices = jax.devices()[: layout.devices]
     mesh = make_mesh(layout.n_model_shards, devices=devices)
     n_data = layout.devices // layout.n_model_shards
     key = jax.random.key(0)
-    params, static, trained, mask = _placed_params(make, key, layout, mesh, lora)
+    params, static, trained, mask = _placed_params(model, key, layout, mesh, lora)
     optimizer = optax.adamw(1e-4)
     state = _placed_opt_state(optimizer, trained, params, mesh)
     options: dict[str, Any] = {}
@@ -187,8 +235,10 @@ def compile_step(
         # model reads `seq_len` tokens either way.
         rows, tokens, spec = layout.per_device_batch_size, layout.seq_len, P()
         options["context_parallel"] = ContextParallel(mesh)
+        loss = model.whole_rows_loss
     else:
         rows, tokens, spec = layout.per_device_batch_size * n_data, layout.seq_len + 1, P(DATA)
+        loss = model.loss_fn
     batch = {
         "input_ids": jax.ShapeDtypeStruct(
             (rows, tokens), jnp.int32, sharding=NamedSharding(mesh, spec)
@@ -198,10 +248,14 @@ def compile_step(
         options["precision"] = layout.precision
     if mask is not None:
         options["trainable"] = mask
-    if layout.sequence_parallel:
-        options["sequence_parallel"] = SequenceParallel.of(eqx.combine(params, static))
-    loss = _whole_rows_loss if layout.context_parallel else _loss
-    step = train_step(loss, optimizer, mesh=mesh, jit=False, **options)
+    # The step reads how the abstract model is split (FSDP, sequence parallelism) from
+    # the arrays' shardings, as it reads it from real ones when it is jitted itself.
+    parallelism = Parallelism.of(
+        eqx.combine(params, static),
+        sequence_parallel=layout.sequence_parallel,
+        context_parallel=options.pop("context_parallel", False),
+    )
+    step = train_step(loss, optimizer, mesh=mesh, jit=False, parallelism=parallelism, **options)
 
     def run(p: Any, s: Any, b: Any, k: Any) -> Any:
         model, s, metrics = step(eqx.combine(p, static), s, b, k)

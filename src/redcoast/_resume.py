@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from ._context_parallel import ContextParallel
 from ._lora import adapters_differ, adapters_record
-from ._seq_parallel import SequenceParallel
+from ._parallelism import Parallelism
 from .checkpoint import checkpoint_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsBuffer, read_jsonl
 from .loop import LoopState
@@ -48,8 +48,8 @@ class Run:
     # fingerprint of the frozen arrays, which a checkpoint records and resume checks.
     trainable: Any = None
     frozen: dict[str, Any] | None = None
-    # With sequence_parallel: the split the steps wrap the model with.
-    split: SequenceParallel | bool = False
+    # How the placed model's computation is split (FSDP, sequence, context), read once.
+    parallelism: Parallelism = dataclasses.field(default_factory=Parallelism)
     # With context_parallel: every sequence split over the data axis, rows whole.
     context: ContextParallel | None = None
 

@@ -45,7 +45,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 from . import fsdp
 from ._tree_paths import path_str
 from .mesh import MODEL, mesh_shape
-from .models.layers import AbstractProjection, dense
+from .nn import AbstractProjection, dense
 
 __all__ = ["KEEP_GATHERED", "SequenceParallel", "SplitProjection", "WholeEmbedding"]
 
@@ -330,65 +330,3 @@ class SequenceParallel:
             )
 
         return jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_layer)
-
-
-Split = bool | SequenceParallel
-"""`sequence_parallel=`: `False`, `True` (read from the model's placement at each
-call), or a `SequenceParallel` (read once, e.g. under the caller's own `jax.jit`)."""
-
-
-def _check(option: object) -> None:
-    if not isinstance(option, bool | SequenceParallel):
-        raise TypeError(
-            "sequence_parallel must be True, False or an rc.SequenceParallel; got "
-            f"{type(option).__name__}."
-        )
-
-
-def resolve_split(option: Split, model: PyTree) -> SequenceParallel | None:
-    """The split `option` asks for, read from `model`'s placement when it is `True`.
-
-    Raises:
-        TypeError: `option` is neither a bool nor a `SequenceParallel`.
-        ValueError: `True`, and `model`'s arrays are traced (no placement to read),
-            or not split over a model axis (`SequenceParallel.of`).
-    """
-    if isinstance(option, SequenceParallel):
-        return option
-    _check(option)
-    if not option:
-        return None
-    # A traced array has no `sharding` to read.
-    leaves = jax.tree.leaves(model)
-    if any(isinstance(x, jax.Array) and not hasattr(x, "sharding") for x in leaves):
-        raise ValueError(
-            "sequence_parallel=True reads where to split from the model's placement, and "
-            "this model's arrays are traced (the step runs inside your own jax.jit). Read "
-            "it once from the placed model and pass that: "
-            "sequence_parallel=rc.SequenceParallel.of(model)."
-        )
-    return SequenceParallel.of(model)
-
-
-def with_split(fn: Callable[..., Any], option: Split) -> Callable[..., Any]:
-    """`fn(model, *args)` calling `fn(model, *args, split=...)` with the split `option` asks for.
-
-    The split is read outside `fn`, so a jitted `fn` takes it as a static argument.
-    `lower` is kept when `fn` has it.
-    """
-    _check(option)
-    if option is False:
-        return fn
-
-    @functools.wraps(fn)
-    def call(model: Any, *args: Any) -> Any:
-        return fn(model, *args, split=resolve_split(option, model))
-
-    if hasattr(fn, "lower"):
-        lower = fn.lower  # type: ignore[attr-defined]
-
-        def lowered(model: Any, *args: Any) -> Any:
-            return lower(model, *args, split=resolve_split(option, model))
-
-        call.lower = lowered  # type: ignore[attr-defined]
-    return call

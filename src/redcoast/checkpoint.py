@@ -88,7 +88,6 @@ from ._ckpt_run import step_checkpoint_path as step_checkpoint_path
 from ._placement import optimizer_specs, specs_by_path
 from ._tree_paths import array_leaves, path_str
 from .data import barrier
-from .fsdp import record_layout
 
 __all__ = [
     "Checkpoint",
@@ -415,15 +414,13 @@ def load_checkpoint(
     if verify:
         verify_groups(state, groups)
     model_specs = _spec_map(like, specs)
-    # A zoo model (and the optimizer's copies of it) record the layout they now have,
-    # which `specs` may have changed from `like`'s.
-    model = record_layout(_load_tree(like, stored_model, mesh, model_specs, dtype))
+    model = _load_tree(like, stored_model, mesh, model_specs, dtype)
     opt_state = None
     if opt_state_like is not None:
         opt_specs = (
             None if model_specs is None else optimizer_specs(opt_leaves, model_leaves, model_specs)
         )
-        opt_state = record_layout(_load_tree(opt_state_like, stored_opt, mesh, opt_specs, None))
+        opt_state = _load_tree(opt_state_like, stored_opt, mesh, opt_specs, None)
     return Checkpoint(model=model, opt_state=opt_state, step=int(state["step"]), state=state)
 
 

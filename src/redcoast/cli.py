@@ -260,10 +260,10 @@ def plan(
     if json_path is not None:
         _check_writable(json_path, "--json")
     _simulate_devices(devices)
-    from . import planner
+    from .models import planning
 
     try:
-        result = planner.memory_plan(
+        result = planning.memory_plan(
             model,
             devices=devices,
             n_model_shards=n_model_shards,
@@ -282,7 +282,7 @@ def plan(
             frozen_dtype=frozen_dtype,
         )
         if specs:
-            click.echo(str(planner.sharding_plan_of(model, result.layout, result.lora)) + "\n")
+            click.echo(str(planning.sharding_plan_of(model, result.layout, result.lora)) + "\n")
     except (ValueError, TypeError) as err:
         raise click.ClickException(str(err)) from err
     click.echo(str(result))

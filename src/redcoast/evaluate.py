@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from ._context_parallel import ContextParallel
-from ._seq_parallel import SequenceParallel
+from ._parallelism import ContextOption, Parallelism, SequenceOption, check_options
 from .data import Batch, CollateFn, Examples, batches, check_positive, global_batch_size, to_host
 from .inference_step import predict_step
 from .mesh import make_mesh
@@ -260,8 +260,8 @@ def predict(
     per_device_batch_size: int,
     seed: int = 0,
     precision: str = "fp32",
-    sequence_parallel: bool = False,
-    context_parallel: bool = False,
+    sequence_parallel: SequenceOption = False,
+    context_parallel: ContextOption = False,
 ) -> list[Any]:
     """Run `pred_fn` over `examples` on every device; one output per example, in order.
 
@@ -284,10 +284,9 @@ def predict(
         precision: `"bf16"` / `"pure-bf16"` run `pred_fn` on the model cast to
             bfloat16 (see `predict_step`).
         sequence_parallel: split the activations between tensor-parallel regions
-            over the model axis as well (`rc.SequenceParallel`).
+            over the model axis as well (as for `fit`).
         context_parallel: split every sequence over the data axis instead of the
-            rows (`rc.ContextParallel`; see `fit`): batches of
-            `per_device_batch_size` whole rows.
+            rows (as for `fit`): batches of `per_device_batch_size` whole rows.
 
     Returns:
         A list with one output per example.
@@ -298,8 +297,9 @@ def predict(
         ...                  output_fn=int)
     """
     examples = check_examples(examples, "examples")
+    check_options(sequence_parallel, context_parallel)
     mesh = mesh or model_mesh(model) or make_mesh(1)
-    context = ContextParallel(mesh) if context_parallel else None
+    context = ContextParallel(mesh) if context_parallel is True else context_parallel or None
     size = global_batch_size(mesh, per_device_batch_size, split_rows=context is None)
     key = jax.random.key(seed)
     it = batches(
@@ -321,8 +321,9 @@ def predict(
         pred_step=predict_step(
             pred_fn,
             precision=precision,
-            sequence_parallel=sequence_parallel and SequenceParallel.of(model),
-            context_parallel=context,
+            parallelism=Parallelism.of(
+                model, sequence_parallel=sequence_parallel, context_parallel=context or False
+            ),
         ),
         output_fn=output_fn,
     )

@@ -37,6 +37,7 @@ from ._fit_hooks import fit_hooks as _hooks
 from ._fit_setup import check_options as _check_options
 from ._fit_setup import hand_over as _hand_over
 from ._fit_setup import start as _start
+from ._parallelism import ContextOption, SequenceOption, check_options
 from ._resume import Run as _Run
 from ._signals import stop_requests as _stop_requests
 from .checkpoint import step_checkpoint_path
@@ -336,8 +337,8 @@ def fit(
     # Where: the devices, the split, and whose arrays.
     mesh: Mesh | None = None,
     fsdp: bool = False,
-    sequence_parallel: bool | Literal["keep gathered"] = False,
-    context_parallel: bool = False,
+    sequence_parallel: SequenceOption = False,
+    context_parallel: ContextOption = False,
     data_parallel: Literal["jit", "shard_map"] = "jit",
     opt_state: PyTree | None = None,
     donate: bool = False,
@@ -440,13 +441,16 @@ def fit(
             over the model axis as well (`rc.SequenceParallel`), in training and
             evaluation; needs a mesh with a model axis > 1. `"keep gathered"`
             keeps each gathered input for the backward pass instead of gathering
-            it again: fewer model-axis bytes, more memory (`keep_gathered`).
+            it again: fewer model-axis bytes, more memory (`keep_gathered`); an
+            `rc.SequenceParallel` gives the split itself.
         context_parallel: split every sequence over the data axis instead of the
-            rows (`rc.ContextParallel`), in training and evaluation: each step's
+            rows (`rc.ContextParallel`, or one of your own for another axis or
+            strategy), in training and evaluation: each step's
             `per_device_batch_size * accumulate_grad_batches` rows reach every
             device, which holds `1 / n_data` of each, so a batch smaller than the
-            data axis (one long sequence) trains on every device. For the zoo's
-            decoders; rows must be a multiple of `n_data` tokens.
+            data axis (one long sequence) trains on every device. For causal models
+            attending through `rc.nn.attention` (the zoo's decoders); rows must be
+            a multiple of `n_data` tokens.
         data_parallel: `"jit"` (XLA partitions the global step; any mesh) or
             `"shard_map"` (an explicit per-device step with the gradients averaged
             over `"data"`; the model is replicated, so the mesh has one model shard
@@ -489,8 +493,9 @@ def fit(
     options = (n_epochs, max_steps, log_every, on_nonfinite, workdir, checkpointing)
     how = {"precision": precision, "data_parallel": data_parallel, "fsdp": fsdp}
     _check_options(*options, resume=resume, overwrite=overwrite, **how)
+    check_options(sequence_parallel, context_parallel)
     mesh = mesh or model_mesh(model) or make_mesh(1)
-    context = ContextParallel(mesh) if context_parallel else None
+    context = ContextParallel(mesh) if context_parallel is True else context_parallel or None
     size = global_batch_size(
         mesh, per_device_batch_size, accumulate_grad_batches, split_rows=context is None
     )
@@ -528,8 +533,7 @@ def fit(
             skip_nonfinite=on_nonfinite == "skip",
             precision=precision,
             trainable=mask,
-            sequence_parallel=run.split,
-            context_parallel=run.context,
+            parallelism=run.parallelism,
             jit=False,
         )
         jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))

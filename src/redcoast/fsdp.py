@@ -3,28 +3,27 @@
 Given weights split over `"data"` and a batch split over `"data"`, XLA's SPMD
 partitioner may meet them by gathering the *activations* over the data axis
 (less traffic when the batch is small), which makes every device hold the whole
-batch's activations -- the opposite of what FSDP is for. So a zoo model records
-how its weights are stored (`FSDPModule.fsdp_layout`, a static field that
-`rc.place`, `rc.sharded_init`, `from_hf` and `rc.load_checkpoint`
-fill in from where they put each array), and its forward pass gathers each
-data-split weight where it uses it (`gather`), one layer at a time under
-`lax.scan`. Gathered weights are named `GATHERED` so that remat policies
-recompute them in the backward pass instead of keeping every layer's whole copy.
+batch's activations -- the opposite of what FSDP is for. So a model's forward
+pass gathers each data-split weight where it uses it (`gather`), one layer at a
+time under `lax.scan`. Gathered weights are named `GATHERED` so that remat
+policies recompute them in the backward pass instead of keeping every layer's
+whole copy.
 
-The layout is part of the model's static structure, so every trace of the model
-gathers the same way: under redcoast's jitted step, under a user's own
-`jax.jit` of `rc.train_step(..., jit=False)`, in evaluation and in generation.
-A model without a layout (placed without FSDP, or a user's own module) gathers
-nothing, and XLA's partitioner alone decides how its weights meet the batch.
+Which weights are split, and how, is read from where they are placed
+(`StoredLayout.of`), once, by whatever runs the model: redcoast's steps,
+evaluation, prediction and generation hand it to the traced computation in their
+`Parallelism`, and `layouts(module)` finds a module's weights there. Nothing is
+written into the model: its structure is the same wherever its arrays are.
+Outside such a computation (a user's own `jax.jit` of a model, with no
+`Parallelism` given) nothing is gathered by hand, and XLA's partitioner alone
+decides how the weights meet the batch: the same numbers.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -32,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from . import _jaxpr
+from . import _active, _jaxpr
 from .mesh import DATA
 
 GATHERED = "fsdp_gathered"
@@ -100,8 +99,8 @@ def _floating(x: Any) -> bool:
 
 def _canonical(sharding: NamedSharding) -> NamedSharding:
     # One name per layout: `P("data", None)` and `P("data")` (what a jitted step may
-    # return for what was placed) record alike, so re-placing a trained model keeps
-    # its static structure, and with it the optimizer state's.
+    # return for what was placed) read alike, so the step after the first finds the
+    # first one's program.
     spec = list(sharding.spec)
     while spec and spec[-1] is None:
         spec.pop()
@@ -110,13 +109,12 @@ def _canonical(sharding: NamedSharding) -> NamedSharding:
 
 @dataclasses.dataclass(frozen=True)
 class StoredLayout:
-    """How a module's data-split weights are stored: a `NamedSharding` per path.
+    """How a model's data-split weights are stored: a `NamedSharding` per path.
 
-    Hashable, so that it can be a static field: two models whose weights are
-    stored alike trace and compile alike. Only floating-point arrays split over
-    the data axis are listed, by their dotted path inside the module
-    (`blocks.attn.q_proj.weight`); the optimizer's copies of a module (`mu`,
-    `nu`, placed with the same specs) record the same layout as the module.
+    Hashable, so that a step takes it as a static argument: two models whose
+    weights are stored alike trace and compile alike. Only floating-point arrays
+    split over the data axis are listed, by their dotted path in the model
+    (`blocks.attn.q_proj.weight`).
 
     Attributes:
         shardings: `(path, NamedSharding)` pairs, in the module's leaf order.
@@ -138,108 +136,49 @@ class StoredLayout:
         )
         return cls(found) if found else None
 
+    @classmethod
+    def carried(cls, tree: PyTree) -> StoredLayout | None:
+        """The layout the active computation knows `tree`'s traced arrays by, if any.
+
+        A function that traces the model again (a nested `jit`, as generation's)
+        reads it here from the arrays it was given and hands it on to its own trace.
+        """
+        active = _active.current()
+        if active is None:
+            return None
+        found = tuple(
+            (_path(p), active.gathers[id(x)].stored)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if id(x) in active.gathers
+        )
+        return cls(found) if found else None
+
+    def gathers(self, tree: PyTree) -> dict[int, Layout]:
+        """`id(array) -> Layout` for the arrays of `tree` (laid out as the model this
+        layout was read from) that are stored split over the data axis."""
+        stored = dict(self.shardings)
+        found = {}
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            s = stored.get(_path(p))
+            if s is not None:
+                found[id(x)] = Layout(s, NamedSharding(s.mesh, use_spec(s.spec)))
+        return found
+
     def __repr__(self) -> str:
         meshes = {tuple(s.mesh.shape.items()) for _, s in self.shardings}
         where = ", ".join(" x ".join(f"{k}={v}" for k, v in m) for m in sorted(meshes))
         return f"StoredLayout({len(self.shardings)} weights split over {DATA!r}; mesh {where})"
 
 
-class FSDPModule(eqx.Module):
-    """A module whose forward pass gathers its data-split weights where it uses them.
-
-    The zoo's language models derive from it. Its `fsdp_layout` is filled in by
-    whatever places the model (`record_layout`); the forward pass reads it through
-    `layouts(self)` and `gather`.
-
-    Attributes:
-        fsdp_layout: how the weights are stored, or `None` (no weight split over the
-            data axis; nothing is gathered).
-    """
-
-    fsdp_layout: StoredLayout | None = eqx.field(default=None, static=True, kw_only=True)
-
-
-def _with_layout(module: FSDPModule, layout: StoredLayout | None) -> FSDPModule:
-    # A static field is not a pytree leaf that `eqx.tree_at` could reach, and the zoo's
-    # `__init__` builds from a config, so the copy's field is set directly.
-    new = copy.copy(module)
-    object.__setattr__(new, "fsdp_layout", layout)
-    return new
-
-
-def record_layout(tree: PyTree) -> PyTree:
-    """`tree` with each `FSDPModule` in it recording how its own arrays are stored.
-
-    Everything that places a model calls it after placing; a user who moves a
-    model's arrays by other means calls `rc.place` (which calls it) to record
-    where they went.
-
-    Args:
-        tree: a model, an optimizer state, or any pytree holding them.
-
-    Returns:
-        The same arrays; each `FSDPModule` with `fsdp_layout = StoredLayout.of(module)`.
-        `tree` itself when every module already records its layout.
-    """
-
-    def is_module(x: Any) -> bool:
-        return isinstance(x, FSDPModule)
-
-    def stale(x: Any) -> bool:
-        return is_module(x) and StoredLayout.of(x) != x.fsdp_layout
-
-    if not any(map(stale, jax.tree_util.tree_leaves(tree, is_leaf=is_module))):
-        return tree
-
-    def one(x: Any) -> Any:
-        return _with_layout(x, StoredLayout.of(x)) if stale(x) else x
-
-    return jax.tree_util.tree_map(one, tree, is_leaf=is_module)
-
-
-def _without_layouts(tree: PyTree) -> PyTree:
-    def is_module(x: Any) -> bool:
-        return isinstance(x, FSDPModule)
-
-    def one(x: Any) -> Any:
-        # Set on every module: a model built by its own __init__ has no such attribute
-        # of its own yet, which its tree structure tells apart from an explicit None.
-        return _with_layout(x, None) if is_module(x) else x
-
-    return jax.tree_util.tree_map(one, tree, is_leaf=is_module)
-
-
-def layouts_like(tree: PyTree, model: PyTree) -> PyTree:
-    """`tree`, made from `model` before it was placed, with `model`'s recorded layouts.
-
-    A mask or filter built from a model, and the model placed with FSDP afterwards,
-    differ only in each `FSDPModule`'s static `fsdp_layout`; this gives `tree` the
-    placed model's, so that `eqx.filter(model, tree)` matches. Any other difference
-    of structure is left for the caller to report.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    target = jax.tree_util.tree_structure(model)
-    if treedef == target or treedef.num_leaves != target.num_leaves:
-        return tree
-    bare = jax.tree_util.tree_structure(_without_layouts(tree))
-    if bare != jax.tree_util.tree_structure(_without_layouts(model)):
-        return tree
-    return jax.tree_util.tree_unflatten(target, leaves)
-
-
-def layouts(module: FSDPModule) -> PyTree:
+def layouts(module: PyTree) -> PyTree:
     """`module` with each array replaced by the `Layout` it is gathered with, or `None`.
 
-    The result has the module's structure, so a part's layouts are read by the same
-    attribute as the part: `gather(module.blocks, layouts(module).blocks)`.
+    The layouts are those of the `Parallelism` active around the computation (see
+    `redcoast._active`); outside one, every entry is `None` and nothing is
+    gathered. The result has the module's structure, so a part's layouts are read
+    by the same attribute as the part: `gather(module.blocks, layouts(module).blocks)`.
     """
-    use: dict[str, Layout] = {}
-    if module.fsdp_layout is not None:
-        use = {
-            path: Layout(s, NamedSharding(s.mesh, use_spec(s.spec)))
-            for path, s in module.fsdp_layout.shardings
-        }
-    return jax.tree_util.tree_map_with_path(lambda p, _: use.get(_path(p)), module)
+    return _active.gather_layouts(module)
 
 
 def gathers(specs: PyTree) -> bool:

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._context_parallel import ContextParallel, check_context
-from ._seq_parallel import SequenceParallel, Split, with_split
+from ._parallelism import ContextOption, Parallelism, SequenceOption, with_parallelism
 from .precision import check_precision, for_compute
 from .step import LossFn, PredFn, batch_size, describe_shapes, split_loss
 
@@ -29,21 +28,18 @@ def _eval(
     weights: Float[Array, " batch"] | None = None,
     *,
     precision: str = "fp32",
-    split: SequenceParallel | None = None,
-    context: ContextParallel | None = None,
+    parallelism: Parallelism | None = None,
 ) -> dict[str, Array]:
     """`loss_fn` per example under inference mode; the weighted means and the weight."""
     model = for_compute(eqx.nn.inference_mode(model), precision)
-    model = model if split is None else split.apply(model)
-    if context is not None:
-        model, batch = context.apply(model), context.constrain(batch)
     size = batch_size(batch)
+    with (parallelism or Parallelism()).applied(model, batch) as (model, batch):
 
-    def one(example: Any) -> tuple[Array, dict[str, Array]]:
-        single = jax.tree.map(lambda x: x[None], example)
-        return split_loss(loss_fn(model, single, key), single)
+        def one(example: Any) -> tuple[Array, dict[str, Array]]:
+            single = jax.tree.map(lambda x: x[None], example)
+            return split_loss(loss_fn(model, single, key), single)
 
-    losses, aux = jax.vmap(one)(batch)
+        losses, aux = jax.vmap(one)(batch)
     w = jnp.ones(size, jnp.float32) if weights is None else weights.astype(jnp.float32)
     total = w.sum()
     denom = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
@@ -60,14 +56,11 @@ def _eval_first(
     n_valid: Int[Array, ""],
     *,
     precision: str = "fp32",
-    split: SequenceParallel | None = None,
-    context: ContextParallel | None = None,
+    parallelism: Parallelism | None = None,
 ) -> dict[str, Array]:
     """`_eval` counting only the first `n_valid` rows; the rest is padding."""
     weights = (jnp.arange(batch_size(batch)) < n_valid).astype(jnp.float32)
-    return _eval(
-        loss_fn, model, batch, key, weights, precision=precision, split=split, context=context
-    )
+    return _eval(loss_fn, model, batch, key, weights, precision=precision, parallelism=parallelism)
 
 
 def _predict(
@@ -77,16 +70,13 @@ def _predict(
     key: Any,
     *,
     precision: str = "fp32",
-    split: SequenceParallel | None = None,
-    context: ContextParallel | None = None,
+    parallelism: Parallelism | None = None,
 ) -> Any:
     """`pred_fn` under inference mode, its output checked for the batch axis."""
     size = batch_size(batch)
     model = for_compute(eqx.nn.inference_mode(model), precision)
-    model = model if split is None else split.apply(model)
-    if context is not None:
-        model, batch = context.apply(model), context.constrain(batch)
-    out = pred_fn(model, batch, key)
+    with (parallelism or Parallelism()).applied(model, batch) as (model, batch):
+        out = pred_fn(model, batch, key)
     leaves = jax.tree_util.tree_leaves(out)
     if not leaves or any(jnp.ndim(x) == 0 or jnp.shape(x)[0] != size for x in leaves):
         raise ValueError(
@@ -108,8 +98,9 @@ def eval_step(
     loss_fn: LossFn,
     *,
     precision: str = "fp32",
-    sequence_parallel: Split = False,
-    context_parallel: ContextParallel | None = None,
+    sequence_parallel: SequenceOption = False,
+    context_parallel: ContextOption = False,
+    parallelism: Parallelism | None = None,
     jit: bool = True,
 ) -> Callable[..., dict[str, Array]]:
     """An evaluation step: `loss_fn` per example under `eqx.nn.inference_mode`.
@@ -124,6 +115,7 @@ def eval_step(
             floating arrays cast to bfloat16; the metrics are float32.
         sequence_parallel: as for `train_step`.
         context_parallel: as for `train_step`.
+        parallelism: as for `train_step`.
         jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
             `loss_fn` share their compilations.
 
@@ -137,19 +129,18 @@ def eval_step(
         >>> evaluate(model, batch, jax.random.key(0))["loss"]
     """
     check_precision(precision)
-    check_context(context_parallel)
-    step = functools.partial(
-        _jit_eval if jit else _eval, loss_fn, precision=precision, context=context_parallel
-    )
-    return with_split(step, sequence_parallel)
+    step = functools.partial(_jit_eval if jit else _eval, loss_fn, precision=precision)
+    options = {"sequence_parallel": sequence_parallel, "context_parallel": context_parallel}
+    return with_parallelism(step, **options, mesh=None, given=parallelism)
 
 
 def predict_step(
     pred_fn: PredFn,
     *,
     precision: str = "fp32",
-    sequence_parallel: Split = False,
-    context_parallel: ContextParallel | None = None,
+    sequence_parallel: SequenceOption = False,
+    context_parallel: ContextOption = False,
+    parallelism: Parallelism | None = None,
     jit: bool = True,
 ) -> Callable[..., Any]:
     """A prediction step: `pred_fn` under `eqx.nn.inference_mode`, output checked.
@@ -160,8 +151,9 @@ def predict_step(
         precision: `"fp32"`, or `"bf16"` / `"pure-bf16"`: `pred_fn` sees the model's
             floating arrays cast to bfloat16.
         sequence_parallel: as for `train_step`.
-        context_parallel: as for `train_step` (the uncached forward; generation's
-            cached steps attend as without it).
+        context_parallel: as for `train_step` (the uncached forward; generation runs
+            its cached steps without it).
+        parallelism: as for `train_step`.
         jit: wrap the step in `eqx.filter_jit` (no donation); steps of the same
             `pred_fn` share their compilations.
 
@@ -173,8 +165,6 @@ def predict_step(
         >>> labels = predict(model, batch, jax.random.key(0))
     """
     check_precision(precision)
-    check_context(context_parallel)
-    step = functools.partial(
-        _jit_predict if jit else _predict, pred_fn, precision=precision, context=context_parallel
-    )
-    return with_split(step, sequence_parallel)
+    step = functools.partial(_jit_predict if jit else _predict, pred_fn, precision=precision)
+    options = {"sequence_parallel": sequence_parallel, "context_parallel": context_parallel}
+    return with_parallelism(step, **options, mesh=None, given=parallelism)

@@ -20,7 +20,6 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ._placement import shard, sharding_tree
 from ._sharding_plan import spec_tree
-from .fsdp import record_layout
 from .mesh import DATA, MODEL, mesh_shape
 from .sharding import sharding_rules
 
@@ -97,7 +96,7 @@ def place(
     leaves = _array_leaves(model)
     if specs is None:
         if all(_on_mesh(x, mesh) for x in leaves):
-            return record_layout(model)
+            return model
         if all(_redcoast_sharding(x) is not None for x in leaves):
             specs = jax.tree.map(lambda x: x.sharding.spec, eqx.filter(model, eqx.is_array))
         elif n_model > 1 or fsdp:
@@ -158,7 +157,7 @@ def sharded_init(
         return eqx.filter(make(key), eqx.is_array)
 
     _, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return record_layout(eqx.combine(build(), static))
+    return eqx.combine(build(), static)
 
 
 def replicate_strays(tree: PyTree, mesh: Mesh) -> PyTree:

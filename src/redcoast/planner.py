@@ -1,10 +1,13 @@
 """Will it fit? The real train step, compiled on abstract shapes, measured by XLA.
 
-`memory_plan` builds a zoo model's AdamW train step exactly as `fit` runs it -- the
+`memory_plan` builds a model's AdamW train step exactly as `fit` runs it -- the
 sharding plan (tensor parallelism, FSDP), the precision and remat policies, the
 global batch split over the data axis -- on `jax.ShapeDtypeStruct`s, so nothing
 is allocated, compiles it for the requested devices, and reads per-device bytes
-from `compiled.memory_analysis()`. Parameters and optimizer state come from the
+from `compiled.memory_analysis()`. A model is planned as a `PlannedModel`: how to
+build it, its loss, and its limits; `rc.memory_plan` (in `redcoast.models.planning`)
+makes one from a zoo preset or config, and a factory of any model is planned as a
+language model. Parameters and optimizer state come from the
 shardings (exact); gradients are one copy of the parameters in the master dtype;
 temporaries (gradients, activations, workspace) and the peak come from XLA.
 
@@ -18,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -33,11 +35,10 @@ from ._memory_plan import LoRA as LoRA
 from ._memory_plan import MemoryPlan as MemoryPlan
 from ._memory_plan import fmt_bytes as fmt_bytes
 from ._memory_plan import parse_bytes as parse_bytes
-from ._plan_step import compile_step, plan_specs, with_lora
+from ._plan_step import PlannedModel as PlannedModel
+from ._plan_step import compile_step, plan_specs
+from ._plan_step import next_token_loss as next_token_loss
 from ._sharding_plan import ShardingPlan
-from .models import ARCHITECTURES, AbstractSeq2SeqLM
-from .models.hf import HFConfig, read_config
-from .models.presets import PRESETS, preset
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 _DTYPES |= {"fp16": "float16", "float16": "float16"}
@@ -65,74 +66,17 @@ def _lora_settings(
     return LoRA(rank, None if targets is None else tuple(targets), name)
 
 
-# --------------------------------------------------------------------------- models
-
-
-def _resolve(model: str | HFConfig) -> tuple[str, type[Any], HFConfig]:
-    """A preset name, a config.json (or its folder), or a config -> (name, class, config)."""
-    if isinstance(model, HFConfig):
-        return type(model).__name__, _class_of(model.model_type), model
-    if model in PRESETS:
-        cls, config = preset(model)
-        return model, cls, config
-    path = Path(model)
-    if path.is_file() or (path / "config.json").is_file():
-        folder = path if path.is_dir() else path.parent
-        values = read_config(folder if path.is_dir() else path)
-        cls = _class_of(values.get("model_type"))
-        return str(model), cls, cls.config_class.from_dict(values)
-    raise ValueError(
-        f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) and not a config.json."
-    )
-
-
-def _class_of(model_type: Any) -> type[Any]:
-    if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"model_type {model_type!r} is not in the zoo; supported: {sorted(ARCHITECTURES)}."
-        )
-    return ARCHITECTURES[model_type]
-
-
-def _heads(config: HFConfig) -> int | None:
-    for name in ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
-def _factory(cls: type[Any], config: HFConfig, remat: str) -> Callable[[PRNGKeyArray], Any]:
-    options: dict[str, Any] = {"scan_layers": True}
-    if remat != "none":
-        options["remat"] = remat
-    return lambda key: cls(config, key=key, **options)
-
-
-def sharding_plan_of(
-    model: str | HFConfig, layout: Layout, lora: LoRA | None = None
-) -> ShardingPlan:
-    """The `ShardingPlan` `memory_plan` uses for a preset or config under `layout` (with the
-    adapters of `lora`, a `MemoryPlan.lora`)."""
-    _, cls, config = _resolve(model)
-    make = _factory(cls, config, layout.remat)
-    abstract = eqx.filter_eval_shape(
-        make if lora is None else with_lora(make, lora), jax.random.key(0)
-    )
-    return plan_specs(abstract, layout)
+def sharding_plan_of(model: PlannedModel, layout: Layout, lora: LoRA | None = None) -> ShardingPlan:
+    """The `ShardingPlan` `memory_plan` uses for `model` under `layout` (with the adapters
+    of `lora`, a `MemoryPlan.lora`)."""
+    abstract = eqx.filter_eval_shape(model.factory(layout.remat, lora), jax.random.key(0))
+    return plan_specs(abstract, layout, model)
 
 
 # --------------------------------------------------------------------------- planning
 
 
-def _positions(config: HFConfig | None) -> int | None:
-    """The longest sequence the model's config allows, if it says."""
-    positions = None if config is None else getattr(config, "max_position_embeddings", None)
-    positions = positions or (None if config is None else getattr(config, "n_positions", None))
-    return positions if isinstance(positions, int) else None
-
-
-def _check_context(layout: Layout, config: HFConfig | None) -> None:
+def _check_context(layout: Layout, model: PlannedModel) -> None:
     if not layout.context_parallel:
         return
     n_data = layout.devices // layout.n_model_shards
@@ -148,15 +92,11 @@ def _check_context(layout: Layout, config: HFConfig | None) -> None:
             f"context parallelism splits every sequence over the {n_data} data shards, and "
             f"seq_len {layout.seq_len} is not a multiple of {n_data}; plan {fitting} tokens."
         )
-    if config is not None and issubclass(_class_of(config.model_type), AbstractSeq2SeqLM):
-        raise ValueError(
-            "context parallelism splits the decoders' causal attention (GPT-2, OPT, GPT-J, "
-            "LLaMA); an encoder-decoder's masks cannot be split. Plan it with "
-            "sequence_parallel (--sequence-parallel) instead."
-        )
+    if model.no_context_parallel is not None:
+        raise ValueError(model.no_context_parallel)
 
 
-def _check_layout(layout: Layout, config: HFConfig | None) -> None:
+def _check_layout(layout: Layout, model: PlannedModel) -> None:
     if layout.precision not in PRECISIONS:
         raise ValueError(f"precision {layout.precision!r}: choose one of {PRECISIONS}.")
     if layout.remat not in REMATS:
@@ -169,19 +109,19 @@ def _check_layout(layout: Layout, config: HFConfig | None) -> None:
         raise ValueError(
             f"{layout.n_model_shards} model shards do not divide {layout.devices} devices."
         )
-    _check_context(layout, config)
+    _check_context(layout, model)
     if layout.sequence_parallel and layout.n_model_shards < 2:
         raise ValueError(
             "sequence parallelism splits activations over the model axis, and this layout "
             "has 1 model shard; plan it with n_model_shards > 1 (-n/--n-model-shards)."
         )
-    heads = None if config is None else _heads(config)
+    heads = model.heads
     if heads is not None and heads % layout.n_model_shards:
         raise ValueError(
             f"{layout.n_model_shards} model shards do not divide the model's {heads} attention "
             f"heads; choose a divisor of {heads}."
         )
-    positions = _positions(config)
+    positions = model.positions
     if positions is not None and layout.seq_len > positions:
         raise ValueError(
             f"seq_len {layout.seq_len} is longer than the model's {positions} positions."
@@ -190,28 +130,27 @@ def _check_layout(layout: Layout, config: HFConfig | None) -> None:
         raise ValueError(
             f"planning for {layout.devices} devices needs {layout.devices} devices to compile "
             f"for; this process has {jax.device_count()}. Simulate them with "
-            f'jax.config.update("jax_num_cpu_devices", {layout.devices}) before JAX starts, '
-            "or run `redcoast plan`, which does."
+            f"rc.simulate_devices({layout.devices}) before JAX starts, or run `redcoast "
+            "plan`, which does."
         )
 
 
 def _measure(
-    name: str,
-    make: Callable[[PRNGKeyArray], Any],
+    model: PlannedModel,
     layout: Layout,
     device_memory: int | None,
     lora: LoRA | None = None,
 ) -> MemoryPlan:
-    n_params, params, state, grads, temp, peak, seconds = compile_step(make, layout, lora)
+    n_params, params, state, grads, temp, peak, seconds = compile_step(model, layout, lora)
     n_trainable = n_params
     if lora is not None:
         from ._lora import trainable
 
-        abstract = eqx.filter_eval_shape(make, jax.random.key(0))
+        abstract = eqx.filter_eval_shape(model.factory(layout.remat, lora), jax.random.key(0))
         kept = eqx.filter(abstract, trainable(abstract))
         n_trainable = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(kept))
     return MemoryPlan(
-        name,
+        model.name,
         n_params,
         layout,
         params,
@@ -226,15 +165,13 @@ def _measure(
     )
 
 
-def _max_batch(
-    name: str, make: Callable[[PRNGKeyArray], Any], first: MemoryPlan, budget: int
-) -> int | None:
+def _max_batch(model: PlannedModel, first: MemoryPlan, budget: int) -> int | None:
     """The largest per-device batch whose peak fits: linear in the batch, then checked."""
     b = first.layout.per_device_batch_size
     if first.peak > budget:
         return None
     second = _measure(
-        name, make, dataclasses.replace(first.layout, per_device_batch_size=2 * b), None, first.lora
+        model, dataclasses.replace(first.layout, per_device_batch_size=2 * b), None, first.lora
     )
     slope = (second.peak - first.peak) / b
     if slope <= 0:
@@ -244,31 +181,25 @@ def _max_batch(
         if guess <= b:
             return b
         layout = dataclasses.replace(first.layout, per_device_batch_size=guess)
-        peak = _measure(name, make, layout, None, first.lora).peak
+        peak = _measure(model, layout, None, first.lora).peak
         if peak <= budget:
             return guess
         guess = b + int((guess - b) * budget / peak) - 1
     return b
 
 
-def _longest_seq(
-    name: str,
-    make: Callable[[PRNGKeyArray], Any],
-    first: MemoryPlan,
-    budget: int,
-    limit: int | None,
-) -> int | None:
+def _longest_seq(model: PlannedModel, first: MemoryPlan, budget: int) -> int | None:
     """The longest sequence whose peak fits: doubling, then halving the gap to 128 tokens.
 
     Stops at `limit` (the model's positions), or at 32 times the planned length.
     """
     if first.peak > budget:
         return None
-    cap = limit or 32 * first.layout.seq_len
+    cap = model.positions or 32 * first.layout.seq_len
 
     def fits(seq: int) -> bool:
         layout = dataclasses.replace(first.layout, seq_len=seq)
-        return _measure(name, make, layout, None, first.lora).peak <= budget
+        return _measure(model, layout, None, first.lora).peak <= budget
 
     fit, fail = first.layout.seq_len, None
     while fail is None and fit < cap:
@@ -282,13 +213,13 @@ def _longest_seq(
     return fit
 
 
-def _candidates(layout: Layout, config: HFConfig | None) -> Iterator[Layout]:
+def _candidates(layout: Layout, model: PlannedModel) -> Iterator[Layout]:
     """Layouts cheapest first: no remat before attention's before dots before full;
     within each, layouts without sequence parallelism before those with it; fewer
     model shards first (tensor parallelism moves activations in every layer); without
     FSDP before with. Asked for context parallelism, every layout without it comes
     first: it makes the step's batch `n_data` times smaller."""
-    heads = None if config is None else _heads(config)
+    heads = model.heads
     shards = [
         t
         for t in range(1, min(layout.devices, 8) + 1)
@@ -328,7 +259,7 @@ def _floor(n_params: int, layout: Layout, lora: LoRA | None = None) -> float:
 
 
 def memory_plan(
-    model: str | HFConfig | Callable[[PRNGKeyArray], Any],
+    model: PlannedModel | Callable[[PRNGKeyArray], Any],
     *,
     devices: int,
     n_model_shards: int = 1,
@@ -350,9 +281,10 @@ def memory_plan(
     """Compile the AdamW train step for `devices` devices on abstract shapes and measure it.
 
     Args:
-        model: a preset name (`"llama-7b"`, see `redcoast.models.presets.PRESETS`), a
-            `config.json` path (or its folder), a zoo config, or a factory
-            `key -> causal LM` (it then decides its own remat).
+        model: a `PlannedModel`, or a factory `key -> causal LM` (one sequence of
+            token ids in, logits out; it then decides its own remat). `rc.memory_plan`
+            also takes a zoo preset name (`"llama-7b"`), a `config.json` path (or
+            its folder) or a zoo config (`redcoast.models.planning`).
         devices: how many devices; this process must have that many (simulate them
             on a CPU with `jax_num_cpu_devices`; `redcoast plan` does).
         n_model_shards: the model axis size (tensor parallelism).
@@ -403,60 +335,49 @@ def memory_plan(
     layout = dataclasses.replace(
         layout, sequence_parallel=sequence_parallel, context_parallel=context_parallel
     )
-    if callable(model) and not isinstance(model, str | HFConfig):
+    if not isinstance(model, PlannedModel):
+        if not callable(model):
+            raise TypeError(
+                f"model must be a PlannedModel or a factory key -> model, got "
+                f"{type(model).__name__}; rc.memory_plan takes zoo presets and configs too."
+            )
         if remat != "none" or search:
             raise ValueError(
                 "a model factory decides its own remat; pass a preset or config to plan "
                 "remat or to search layouts."
             )
-        name, config, make_for = "model", None, (lambda _r, f=model: f)
-    else:
-        name, cls, config = _resolve(model)
-        make_for = lambda r: _factory(cls, config, r)  # noqa: E731
-    if lora is not None:
-        plain = make_for
-        make_for = lambda r: with_lora(plain(r), lora)  # noqa: E731
-    _check_layout(layout, config)
+        model = PlannedModel.of_factory(model)
+    _check_layout(layout, model)
     if search:
         if budget is None:
             raise ValueError("search needs device_memory, the budget a layout must fit in.")
-        result = _search(name, make_for, layout, config, budget, lora)
+        result = _search(model, layout, budget, lora)
     else:
-        result = _measure(name, make_for(remat), layout, budget, lora)
+        result = _measure(model, layout, budget, lora)
     if max_batch and budget is not None and result.fits:
-        found = _max_batch(name, make_for(result.layout.remat), result, budget)
-        result = dataclasses.replace(result, max_batch=found)
+        result = dataclasses.replace(result, max_batch=_max_batch(model, result, budget))
     if longest_seq and budget is not None and result.fits:
-        make = make_for(result.layout.remat)
-        longest = _longest_seq(name, make, result, budget, _positions(config))
-        result = dataclasses.replace(result, max_seq_len=longest)
+        result = dataclasses.replace(result, max_seq_len=_longest_seq(model, result, budget))
     return result
 
 
-def _search(
-    name: str,
-    make_for: Callable[[str], Callable[[PRNGKeyArray], Any]],
-    layout: Layout,
-    config: HFConfig | None,
-    budget: int,
-    lora: LoRA | None = None,
-) -> MemoryPlan:
+def _search(model: PlannedModel, layout: Layout, budget: int, lora: LoRA | None) -> MemoryPlan:
     tried: list[tuple[str, int | None]] = []
-    abstract = eqx.filter_eval_shape(make_for("none"), jax.random.key(0))
+    abstract = eqx.filter_eval_shape(model.build("none"), jax.random.key(0))
     arrays = eqx.filter(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(arrays))
     last: MemoryPlan | None = None
-    for candidate in _candidates(layout, config):
+    for candidate in _candidates(layout, model):
         if _floor(n_params, candidate, lora) > budget:
             tried.append((str(candidate), None))
             continue
-        last = _measure(name, make_for(candidate.remat), candidate, budget, lora)
+        last = _measure(model, candidate, budget, lora)
         if last.fits:
             return dataclasses.replace(last, tried=tuple(tried))
         tried.append((str(candidate), last.peak))
     if last is None:
         # Arithmetic ruled out every layout; compile the most frugal one to show by how much.
-        frugal = list(_candidates(layout, config))[-1]
+        frugal = list(_candidates(layout, model))[-1]
         tried.pop()
-        last = _measure(name, make_for(frugal.remat), frugal, budget, lora)
+        last = _measure(model, frugal, budget, lora)
     return dataclasses.replace(last, tried=tuple(tried))

@@ -13,17 +13,16 @@ A policy says what a wrapped function keeps for the backward pass:
   sequence, for a few percent more compute).
 
 The zoo's blocks take the policy as their model's `remat` field; a user's own
-model opts in by wrapping its block call with `remat`, and for `"attention"` its
-score computation with `remat(..., "full")`.
+model opts in by wrapping its block call with `remat`, and for `"attention"` by
+calling `rc.nn.attention(..., recompute=True)`.
 """
 
-import copy
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, PyTree
+from jaxtyping import Array
 
 RematPolicy = Literal["none", "dots", "full", "attention"]
 """What a rematerialised function keeps for the backward pass (see the module docstring)."""
@@ -130,23 +129,3 @@ def recomputed(fn: Callable[..., Array], recompute: bool) -> Callable[..., Array
 
     run.defvjp(forward, backward)
     return run
-
-
-def recompute_scores(tree: PyTree) -> PyTree:
-    """`tree` with every attention layer in it recomputing its scores (`recomputed`).
-
-    Sets the static `recompute_scores` flag of each module that has one; the zoo's
-    layer stacks call it on each layer under remat's `"attention"` policy.
-    """
-
-    def flagged(x: object) -> bool:
-        return isinstance(x, eqx.Module) and getattr(x, "recompute_scores", None) is False
-
-    def one(x: object) -> object:
-        if not flagged(x):
-            return x
-        new = copy.copy(x)
-        object.__setattr__(new, "recompute_scores", True)  # a static field
-        return new
-
-    return jax.tree_util.tree_map(one, tree, is_leaf=flagged)

@@ -22,8 +22,13 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
-from ._context_parallel import ContextParallel, check_context
-from ._seq_parallel import SequenceParallel, Split, with_split
+from ._parallelism import (
+    ContextOption,
+    Parallelism,
+    SequenceOption,
+    check_options,
+    with_parallelism,
+)
 from .mesh import DATA, mesh_shape
 from .place import replicate_strays
 from .precision import check_param_dtypes, check_precision, for_compute
@@ -232,14 +237,18 @@ def _train_core(
     axis_name: str | None,
     precision: str,
     trainable: Trainable,
-    context: ContextParallel | None = None,
-) -> TrainStepFn:
+) -> Callable[..., tuple[Any, Any, dict[str, Array]]]:
     """The un-jitted step; `axis_name` set means "inside shard_map, pmean over it"."""
     n_micro = accumulate_grad_batches
 
     def step(
-        model: Any, opt_state: Any, batch: Any, key: Any, split: SequenceParallel | None = None
+        model: Any,
+        opt_state: Any,
+        batch: Any,
+        key: Any,
+        parallelism: Parallelism | None = None,
     ) -> tuple[Any, Any, dict[str, Array]]:
+        parallelism = parallelism or Parallelism()
         mask = trainable_mask(model, trainable)
         params, rest = eqx.partition(model, mask)
         # Frozen arrays are no argument of the differentiated function: no gradient.
@@ -256,11 +265,10 @@ def _train_core(
             # The cast sits inside the differentiated function, so its transpose turns
             # the bfloat16 gradients back into float32 ones for float32 master weights.
             compute = eqx.combine(for_compute(p, precision), frozen_compute, static)
-            if split is not None:  # wrapped here, so gradients keep the model's structure
-                compute = split.apply(compute)
-            if context is not None:
-                compute, b = context.apply(compute), context.constrain(b)
-            return split_loss(loss_fn(compute, b, k), b)
+            # Applied here, so gradients keep the model's structure (sequence
+            # parallelism wraps projections) and FSDP knows the arrays loss_fn sees.
+            with parallelism.applied(compute, b) as (compute, b):
+                return split_loss(loss_fn(compute, b, k), b)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         if n_micro == 1:
@@ -268,7 +276,8 @@ def _train_core(
             (loss, aux), grads = grad_fn(params, batch, key)
         else:
             # Under context parallelism the data axis splits sequences, not rows.
-            micro = _micro_batches(batch, n_micro, mesh if context is None else None)
+            rows_split = parallelism.context is None
+            micro = _micro_batches(batch, n_micro, mesh if rows_split else None)
             (loss, aux), grads = _accumulated(grad_fn, params, micro, key, n_micro, axis_name)
         if axis_name is not None:
             loss, aux, grads = jax.lax.pmean((loss, aux, grads), axis_name)
@@ -296,7 +305,7 @@ def _train_core(
     return step
 
 
-def _shard_map_step(core: TrainStepFn, mesh: Mesh) -> TrainStepFn:
+def _shard_map_step(core: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     """Run `core` per data shard under `jax.shard_map`, parameters replicated."""
     n_data, n_model = mesh_shape(mesh)
     if n_model != 1:
@@ -305,14 +314,20 @@ def _shard_map_step(core: TrainStepFn, mesh: Mesh) -> TrainStepFn:
             f"model shard; this mesh is {n_data}x{n_model}. Use data_parallel='jit'."
         )
 
-    def step(model: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, dict[str, Array]]:
+    def step(
+        model: Any,
+        opt_state: Any,
+        batch: Any,
+        key: Any,
+        parallelism: Parallelism | None = None,
+    ) -> tuple[Any, Any, dict[str, Array]]:
         dynamic, static = eqx.partition((model, opt_state), eqx.is_array)
 
         def local(dyn: Any, b: Any, k: Any) -> tuple[Any, dict[str, Array]]:
             m, o = eqx.combine(dyn, static)
             # Each shard draws from its own stream; see train_step's note on randomness.
             k = jax.random.fold_in(k, jax.lax.axis_index(DATA))
-            m, o, metrics = core(m, o, b, k)
+            m, o, metrics = core(m, o, b, k, parallelism)
             return eqx.filter((m, o), eqx.is_array), metrics
 
         out_dyn, metrics = jax.shard_map(
@@ -375,8 +390,9 @@ def train_step(
     skip_nonfinite: bool = False,
     precision: str = "fp32",
     trainable: Trainable = None,
-    sequence_parallel: Split = False,
-    context_parallel: ContextParallel | None = None,
+    sequence_parallel: SequenceOption = False,
+    context_parallel: ContextOption = False,
+    parallelism: Parallelism | None = None,
     jit: bool = True,
 ) -> TrainStepFn:
     """Compose `loss_fn` and an optax optimizer into one training step.
@@ -423,15 +439,17 @@ def train_step(
             another precision (e.g. bfloat16 under `"fp32"`) -- the precision policy
             checks only trainable arrays.
         sequence_parallel: split the activations between tensor-parallel regions
-            over the model axis too (`rc.SequenceParallel`): `True` reads where from
-            the model's placement at each call; under your own `jax.jit`, pass
-            `rc.SequenceParallel.of(placed_model)` instead
-            (`keep_gathered=True` there trades memory for the backward pass's
-            second gathering of each input). Numbers are unchanged.
-        context_parallel: an `rc.ContextParallel`: split every sequence of the batch
-            over its mesh axis (the data axis by default, which then splits sequences
-            instead of rows), the zoo's decoder attention running over the split.
-            Numbers are unchanged.
+            over the model axis too (`rc.SequenceParallel`), where the model's
+            placement says, read at each call: `True`, `"keep gathered"` (keep each
+            gathered input for the backward pass instead of gathering it again), or
+            an `rc.SequenceParallel`. Numbers are unchanged.
+        context_parallel: split every sequence of the batch over a mesh axis: `True`
+            (the data axis of `mesh`, or of the model's, which then splits sequences
+            instead of rows) or an `rc.ContextParallel`; the model's attention
+            (`rc.nn.attention`) runs over the split. Numbers are unchanged.
+        parallelism: instead of the two options, the `rc.Parallelism` read once from
+            the placed model: under your own `jax.jit` of a `jit=False` step, where
+            the traced arrays have no placement to read (FSDP's gathers included).
         jit: wrap the step in `eqx.filter_jit`, donating the model and optimizer
             state (pass fresh ones each call). With `jit=False` the plain function
             is returned, to compose into your own transformations.
@@ -459,13 +477,13 @@ def train_step(
         raise ValueError(f"data_parallel must be 'jit' or 'shard_map', got {data_parallel!r}.")
     if data_parallel == "shard_map" and mesh is None:
         raise ValueError("data_parallel='shard_map' needs mesh=make_mesh(1).")
+    check_options(sequence_parallel, context_parallel)
     if data_parallel == "shard_map" and sequence_parallel is not False:
         raise ValueError(
             "data_parallel='shard_map' replicates the model, so there is no model axis to "
             "split the activations over: use data_parallel='jit' with sequence_parallel."
         )
-    check_context(context_parallel)
-    if data_parallel == "shard_map" and context_parallel is not None:
+    if data_parallel == "shard_map" and context_parallel:
         raise ValueError(
             "data_parallel='shard_map' splits the rows of the batch over the data axis by "
             "hand, so it cannot split the sequences too: use data_parallel='jit' with "
@@ -482,9 +500,14 @@ def train_step(
         axis_name=DATA if data_parallel == "shard_map" else None,
         precision=precision,
         trainable=trainable,
-        context=context_parallel,
     )
     if data_parallel == "shard_map":
         assert mesh is not None
         core = _shard_map_step(core, mesh)
-    return with_split(donating_jit(core) if jit else core, sequence_parallel)
+    return with_parallelism(
+        donating_jit(core) if jit else core,
+        sequence_parallel=sequence_parallel,
+        context_parallel=context_parallel,
+        mesh=mesh,
+        given=parallelism,
+    )

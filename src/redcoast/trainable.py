@@ -30,7 +30,6 @@ import jax
 from jaxtyping import PyTree
 
 from ._tree_paths import path_str
-from .fsdp import layouts_like
 
 Trainable = str | Sequence[str] | Callable[[Any], bool] | PyTree | None
 """What `fit(trainable=...)` and `train_step(trainable=...)` accept (see the module docstring)."""
@@ -104,7 +103,7 @@ def trainable_mask(model: PyTree, trainable: Trainable = None) -> PyTree:
         mask = _glob_mask(model, globs)
     else:
         try:
-            kept = eqx.filter(model, layouts_like(trainable, model), replace=_FROZEN)
+            kept = eqx.filter(model, trainable, replace=_FROZEN)
         except (ValueError, TypeError) as err:
             raise TypeError(
                 "trainable must be None, a path glob or a sequence of globs, a predicate on "

@@ -25,8 +25,6 @@ from .layers import DecoderBlock as DecoderBlock
 from .layers import KVCache as KVCache
 from .layers import SwiGLU as SwiGLU
 from .layers import activation as activation
-from .layers import dense as dense
-from .layers import normalise as normalise
 from .layers import rotate as rotate
 from .llama import Llama as Llama
 from .llama import LlamaConfig as LlamaConfig
@@ -41,3 +39,19 @@ from .seq2seq import Seq2SeqAttention as Seq2SeqAttention
 from .seq2seq_generation import generate_seq2seq as generate_seq2seq
 from .t5 import T5 as T5
 from .t5 import T5Config as T5Config
+
+
+def __getattr__(name: str) -> object:
+    # `rc.models.dense` and `rc.models.normalise` were the zoo's; any model may use them.
+    if name in ("dense", "normalise"):
+        import warnings
+
+        from .. import nn
+
+        warnings.warn(
+            f"rc.models.{name} is rc.nn.{name}; the old name goes in the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(nn, name)
+    raise AttributeError(f"module 'redcoast.models' has no attribute {name!r}")

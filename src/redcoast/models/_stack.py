@@ -4,9 +4,9 @@ A stack is a tuple of layers, or one layer whose arrays carry a leading layer ax
 (built with `eqx.filter_vmap`), run under `lax.scan` so that a deep model compiles
 one layer instead of all of them; the sharding rules follow the scan and split
 every stacked weight on its last two axes. Each layer runs under the model's
-rematerialisation policy (under `"attention"`, its attention layers recompute
-their scores), and under FSDP its weights are gathered where it runs,
-one layer at a time (`redcoast.fsdp`).
+rematerialisation policy (under `"attention"`, its attention layers, built with
+`recompute_scores`, recompute their scores), and under FSDP its weights are
+gathered where it runs, one layer at a time (`redcoast.fsdp`).
 """
 
 from collections.abc import Callable
@@ -17,7 +17,7 @@ import jax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .. import fsdp
-from ..rematerialisation import recompute_scores, remat
+from ..rematerialisation import remat
 
 _Layer = TypeVar("_Layer", bound=eqx.Module)
 
@@ -81,8 +81,6 @@ def run_stack(
     Returns:
         The last layer's hidden states and the layers' outputs (a tuple, or stacked).
     """
-    if policy == "attention":  # each layer's attention recomputes its score region
-        layers, use = recompute_scores(layers), recompute_scores(use)
     if not isinstance(layers, tuple):
         params, static = eqx.partition(layers, eqx.is_array)
 

@@ -12,10 +12,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import fsdp
+from ..nn import normalise, tied_logits
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
-from .layers import MLP, activation, normalise, tied_logits
+from .layers import MLP, activation
 from .seq2seq import (
     AbstractSeq2SeqLM,
     DecoderLayer,
@@ -134,7 +135,13 @@ class BART(AbstractSeq2SeqLM):
         def attention(k: PRNGKeyArray, heads: int) -> Seq2SeqAttention:
             head_dim = c.d_model // heads
             return Seq2SeqAttention(
-                c.d_model, heads, head_dim, use_bias=True, scale=head_dim**-0.5, key=k
+                c.d_model,
+                heads,
+                head_dim,
+                use_bias=True,
+                scale=head_dim**-0.5,
+                recompute_scores=remat == "attention",
+                key=k,
             )
 
         def norm() -> eqx.nn.LayerNorm:

@@ -19,11 +19,12 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from .. import fsdp
+from ..nn import Norm, normalise, table_dtype, tied_logits
 from ..rematerialisation import RematPolicy
 from . import hf
 from ._stack import run_stack
 from .checks import check_range
-from .layers import DecoderBlock, KVCache, Norm, normalise, table_dtype, tied_logits
+from .layers import DecoderBlock, KVCache
 
 Blocks = tuple[DecoderBlock, ...] | DecoderBlock
 """The layers: a tuple, or one `DecoderBlock` whose arrays have a leading layer axis."""
@@ -31,7 +32,7 @@ Cache = tuple[KVCache, ...] | KVCache
 """One `KVCache` per layer, or one stacked `KVCache` for scanned layers."""
 
 
-class AbstractCausalLM(hf.HFModel, fsdp.FSDPModule):
+class AbstractCausalLM(hf.HFModel):
     """A decoder-only language model: embed, `DecoderBlock`s, final norm, vocabulary head.
 
     Called on one unbatched sequence of token ids, it returns the logits of the next

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from .._parallelism import Parallelism
 from .causal_lm import AbstractCausalLM
 from .checks import as_int_array, check_range
 
@@ -48,6 +49,14 @@ def _pick(
 
 @eqx.filter_jit
 def _generate(
+    model: AbstractCausalLM, *args: Any, parallelism: Parallelism, **settings: Any
+) -> Int[Array, "batch new"]:
+    # The model's FSDP gathers, known here by the arrays this trace was given.
+    with parallelism.applied(model) as (model, _):
+        return _loop(model, *args, **settings)
+
+
+def _loop(
     model: AbstractCausalLM,
     prompt: Int[Array, "batch prompt"],
     lengths: Int[Array, " batch"],
@@ -252,4 +261,5 @@ def generate(
         top_p=None if top_p is None else float(top_p),
         eos_id=eos_id,
         use_cache=use_cache,
+        parallelism=Parallelism.of(model),
     )

@@ -8,12 +8,13 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
+from ..nn import Norm
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
-from .layers import MLP, Attention, DecoderBlock, Norm, activation
+from .layers import MLP, Attention, DecoderBlock, activation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,7 +113,14 @@ class GPT2(AbstractCausalLM):
 
         def block(k: PRNGKeyArray) -> DecoderBlock:
             ka, km, kr, ko, kf = jax.random.split(k, 5)
-            attn = Attention(c.n_embd, c.n_head, qkv_bias=True, out_bias=True, key=ka)
+            attn = Attention(
+                c.n_embd,
+                c.n_head,
+                qkv_bias=True,
+                out_bias=True,
+                recompute_scores=remat == "attention",
+                key=ka,
+            )
             mlp = MLP(
                 c.n_embd,
                 c.n_inner or 4 * c.n_embd,

@@ -7,12 +7,13 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
+from ..nn import Norm
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
-from .layers import MLP, Attention, DecoderBlock, Norm, activation
+from .layers import MLP, Attention, DecoderBlock, activation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +116,7 @@ class GPTJ(AbstractCausalLM):
                     c.n_head,
                     rotary_dim=c.rotary_dim or head_dim,
                     rope_interleaved=True,
+                    recompute_scores=remat == "attention",
                     key=ka,
                 ),
                 None,

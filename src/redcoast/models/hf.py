@@ -38,7 +38,6 @@ from safetensors.numpy import save_file
 from .._placement import check_specs, host_to_mesh, specs_by_path
 from .._tree_paths import array_leaves, leaves_with_paths, path_str
 from ..data import to_host
-from ..fsdp import record_layout
 from ..mesh import DATA, MODEL
 from ..sharding import sharding_rules
 from ._hf_config import HFConfig as HFConfig
@@ -260,7 +259,7 @@ def load(cls: Any, path: str | Path, **options: Unpack[LoadOptions]) -> Any:
         sharding = shardings.get(name)
         leaves.append(jnp.asarray(host) if sharding is None else host_to_mesh(host, sharding))
     _check_unused(checkpoint, cls, folder)
-    return record_layout(jax.tree_util.tree_unflatten(treedef, leaves))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _read_array(

@@ -2,8 +2,9 @@
 
 Each block works on one unbatched sequence, Equinox style; batch with `jax.vmap`.
 Projections are plain `eqx.nn.Linear` layers named like Hugging Face's
-(`q_proj`, `k_proj`, `v_proj`, `o_proj`), which is what `redcoast.sharding_rules`
-recognises as attention.
+(`q_proj`, `k_proj`, `v_proj`, `o_proj`), run with `redcoast.nn.dense`; attention is
+`redcoast.nn.attention`, so the parallelisms act on the zoo as on any model built
+from those pieces.
 
 The decoder zoo (GPT-2, LLaMA, OPT, GPT-J) is these blocks arranged differently:
 `DecoderBlock` is serial (`x + attn(norm(x))`, then `x + mlp(norm(x))`) or, without
@@ -11,21 +12,16 @@ a second norm, GPT-J's parallel `x + attn(h) + mlp(h)`. Attention has a cached p
 (`Attention.cached`) that writes keys and values into a `KVCache` for generation.
 """
 
-import abc
-import functools
-import math
 from collections.abc import Callable
-from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from einops import rearrange, repeat
-from jax.ad_checkpoint import checkpoint_name
+from einops import rearrange
 from jax.typing import DTypeLike
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
+from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
-from ..rematerialisation import PROJECTION, recomputed
+from ..nn import Norm, attention, dense, normalise
 from .checks import check_range
 
 
@@ -68,91 +64,6 @@ def activation(name: str) -> Callable[[Array], Array]:
     if name not in ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}.")
     return ACTIVATIONS[name]
-
-
-class AbstractProjection(eqx.Module):
-    """A module that stands where a block has a Linear, wrapping one (`base`).
-
-    Adapters such as `rc.lora.LoRALinear` replace a block's Linear without the block
-    knowing: `dense` hands them every token at once (`over_tokens`), so they keep the
-    fast matmul path, and the sharding rules read `base` as the Linear it stands for.
-    """
-
-    base: eqx.AbstractVar[eqx.nn.Linear]
-
-    @abc.abstractmethod
-    def over_tokens(self, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
-        """The module on every row of `x` (features last)."""
-
-
-class AbstractTable(eqx.Module):
-    """A module that stands where a model has its token table, wrapping one (`base`).
-
-    Called on one id as `eqx.nn.Embedding` is; `logits` stands for the table as an
-    output head tied to it, so a wrapper such as `rc.lora.LoRAEmbedding` changes
-    the input and the tied head alike.
-    """
-
-    base: eqx.AbstractVar[eqx.nn.Embedding]
-
-    @abc.abstractmethod
-    def __call__(
-        self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, " features"]:
-        """The row of token `x`."""
-
-    @abc.abstractmethod
-    def logits(self, h: Float[Array, "*tokens features"]) -> Float[Array, "*tokens vocab"]:
-        """`h` against every row: the logits of a head tied to the table."""
-
-
-def tied_logits(
-    table: eqx.nn.Embedding | AbstractTable, h: Float[Array, "*tokens features"]
-) -> Float[Array, "*tokens vocab"]:
-    """The logits of an output head tied to `table`: `h` against each of its rows."""
-    return table.logits(h) if isinstance(table, AbstractTable) else h @ table.weight.T
-
-
-def table_dtype(table: eqx.nn.Embedding | AbstractTable) -> DTypeLike:
-    """The dtype of the token table (the wrapped one's, for an `AbstractTable`)."""
-    return (table.base if isinstance(table, AbstractTable) else table).weight.dtype
-
-
-def dense(
-    layer: eqx.nn.Linear | AbstractProjection, x: Float[Array, "*tokens in"]
-) -> Float[Array, "*tokens out"]:
-    """`layer` on every row of `x`: `jax.vmap(layer)(x)` as one matmul over the rows.
-
-    The token axes are flattened into one before the matmul (a free reshape), so
-    `jax.grad` writes the weight gradient as `g^T x` (`g` the output's gradient)
-    contracting that one axis: a matmul XLA:CPU runs on both operands as they lie.
-    Contracting several token axes instead makes XLA first copy `g` (or `x`)
-    transposed into a `(features, tokens)` matrix, and fuse into that copy the
-    elementwise work that produces it. Under `jax.vmap` the batch axis is a second
-    contracting axis of the batch's weight gradient, which XLA meets with such a
-    copy; only JAX's own transformations of a `dot_general` are involved, so `dense`
-    composes with every `jax.vmap`, `jax.grad` and `jax.jit`, to any order.
-
-    Args:
-        layer: the Linear (weight `(out, in)`, optional bias `(out,)`), or a module
-            wrapping one (`AbstractProjection`), which computes over the tokens itself.
-        x: inputs, features last.
-
-    Returns:
-        `x @ layer.weight.T + layer.bias`.
-
-    Example:
-        >>> layer = eqx.nn.Linear(32, 64, key=jax.random.key(0))
-        >>> dense(layer, jnp.ones((10, 32))).shape
-        (10, 64)
-    """
-    if isinstance(layer, AbstractProjection):
-        return layer.over_tokens(x)
-    rows = x.reshape(-1, x.shape[-1])
-    y = jax.lax.dot_general(rows, layer.weight, (((1,), (1,)), ((), ())))
-    # Named, so that remat's "dots" policy keeps the output by name (`PROJECTION`).
-    y = checkpoint_name(y.reshape(*x.shape[:-1], y.shape[-1]), PROJECTION)
-    return y if layer.bias is None else y + layer.bias
 
 
 def rotate(
@@ -219,6 +130,8 @@ class Attention(eqx.Module):
         rope_interleaved: rotate pairs `(0, 1), (2, 3), ...` (GPT-J) instead of halves.
         qkv_bias: Q, K and V projections have biases.
         out_bias: the output projection has a bias.
+        recompute_scores: keep only Q, K and V for the backward pass and compute the
+            scores again there (remat's `"attention"` policy).
         key: for the initialisation.
 
     Example:
@@ -237,9 +150,7 @@ class Attention(eqx.Module):
     rotary_dim: int = eqx.field(static=True)
     rope_base: float = eqx.field(static=True)
     rope_interleaved: bool = eqx.field(static=True)
-    recompute_scores: bool = eqx.field(static=True, default=False)
-    # A `redcoast.ContextParallel` when the sequence is split over a mesh axis.
-    context: Any = eqx.field(static=True, default=None)
+    recompute_scores: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -253,6 +164,7 @@ class Attention(eqx.Module):
         rope_interleaved: bool = False,
         qkv_bias: bool = False,
         out_bias: bool = False,
+        recompute_scores: bool = False,
         key: PRNGKeyArray,
     ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -272,19 +184,16 @@ class Attention(eqx.Module):
         self.rotary_dim = rotary_dim
         self.rope_base = rope_base
         self.rope_interleaved = rope_interleaved
+        self.recompute_scores = recompute_scores
 
     def __call__(
         self, x: Float[Array, "seq hidden"], positions: Real[Array, " seq"] | None = None
     ) -> Float[Array, "seq hidden"]:
         """Attend causally within `x`; `positions` default to `0, 1, ..., seq - 1`."""
-        seq = x.shape[0]
-        pos = jnp.arange(seq) if positions is None else positions
+        pos = jnp.arange(x.shape[0]) if positions is None else positions
         q, k, v = self._qkv(x, pos)
-        if self.context is not None:  # the sequence is split: `ContextParallel.attend`
-            out = self.context.attend(q, k, v)
-            return dense(self.o_proj, rearrange(out, "s h d -> s (h d)"))
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        return self._attend(q, k, v, causal)
+        out = attention(q, k, v, causal=True, recompute=self.recompute_scores)
+        return dense(self.o_proj, rearrange(out, "s h d -> s (h d)"))
 
     def cached(
         self,
@@ -328,8 +237,8 @@ class Attention(eqx.Module):
         # empty (zeros) and must not be attended to.
         slots = jnp.arange(keys.shape[0])
         visible = slots[None, :] <= (index + jnp.arange(seq))[:, None]
-        out = self._attend(q, keys.astype(q.dtype), values.astype(q.dtype), visible)
-        return out, KVCache(keys, values)
+        out = attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible)
+        return dense(self.o_proj, rearrange(out, "s h d -> s (h d)")), KVCache(keys, values)
 
     def init_cache(self, max_len: int, dtype: DTypeLike) -> KVCache:
         """An empty cache of `max_len` slots for this layer's keys and values."""
@@ -353,20 +262,6 @@ class Attention(eqx.Module):
             k = self._rotate(k, positions)
         return q, k, v
 
-    def _attend(
-        self,
-        q: Float[Array, "seq heads head_dim"],
-        k: Float[Array, "kv_seq kv_heads head_dim"],
-        v: Float[Array, "kv_seq kv_heads head_dim"],
-        visible: Bool[Array, "seq kv_seq"],
-    ) -> Float[Array, "seq hidden"]:
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:  # each key/value head serves `group` query heads in a row
-            k = repeat(k, "s h d -> s (h g) d", g=group)
-            v = repeat(v, "s h d -> s (h g) d", g=group)
-        mix = functools.partial(_mix, root=math.sqrt(self.head_dim))
-        return dense(self.o_proj, recomputed(mix, self.recompute_scores)(q, k, v, visible))
-
     def _rotate(
         self, x: Float[Array, "seq heads head_dim"], positions: Real[Array, " seq"]
     ) -> Float[Array, "seq heads head_dim"]:
@@ -377,22 +272,6 @@ class Attention(eqx.Module):
             base=self.rope_base,
             interleaved=self.rope_interleaved,
         )
-
-
-def _mix(
-    q: Float[Array, "seq heads head_dim"],
-    k: Float[Array, "kv_seq heads head_dim"],
-    v: Float[Array, "kv_seq heads head_dim"],
-    visible: Bool[Array, "seq kv_seq"],
-    *,
-    root: float,
-) -> Float[Array, "seq hidden"]:
-    """Scaled dot-product attention over the visible keys, heads merged back."""
-    scores = jnp.einsum("thd,shd->hts", q, k) / root
-    # Softmax in float32 whatever the weights' dtype, as every HF implementation does.
-    scores = jnp.where(visible[None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return rearrange(jnp.einsum("hts,shd->thd", weights, v), "t h d -> t (h d)")
 
 
 class MLP(eqx.Module):
@@ -451,91 +330,6 @@ class SwiGLU(eqx.Module):
     def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
         gate = self.activation(dense(self.gate_proj, x))
         return dense(self.down_proj, gate * dense(self.up_proj, x))
-
-
-Norm = eqx.nn.LayerNorm | eqx.nn.RMSNorm
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _normalise(
-    x: Array, weight: Array | None, bias: Array | None, eps: float, centre: bool
-) -> Array:
-    return _normalise_fwd(x, weight, bias, eps, centre)[0]
-
-
-_NormResiduals = tuple[Array, Array | None, Array, Array | None, Array | None]
-
-
-def _standardised(x: Array, mean: Array | None, rstd: Array) -> Array:
-    x = x.astype(rstd.dtype)
-    return (x if mean is None else x - mean) * rstd
-
-
-def _normalise_fwd(
-    x: Array, weight: Array | None, bias: Array | None, eps: float, centre: bool
-) -> tuple[Array, _NormResiduals]:
-    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    mean = xf.mean(-1, keepdims=True) if centre else None
-    centred = xf if mean is None else xf - mean
-    rstd = jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + eps)
-    y = centred * rstd
-    if weight is not None:
-        y = weight.astype(y.dtype) * y
-    if bias is not None:
-        y = y + bias.astype(y.dtype)
-    return y.astype(x.dtype), (x, mean, rstd, weight, bias)
-
-
-def _normalise_bwd(
-    eps: float, centre: bool, res: _NormResiduals, g: Array
-) -> tuple[Array, Array | None, Array | None]:
-    del eps, centre
-    x, mean, rstd, weight, bias = res
-    xhat = _standardised(x, mean, rstd)
-    g = g.astype(xhat.dtype)
-    tokens = tuple(range(g.ndim - 1))
-    a = g if weight is None else g * weight.astype(g.dtype)
-    da = a - xhat * (a * xhat).mean(-1, keepdims=True)
-    if mean is not None:
-        da = da - a.mean(-1, keepdims=True)
-    dw = None if weight is None else (g * xhat).sum(tokens).astype(weight.dtype)
-    db = None if bias is None else g.sum(tokens).astype(bias.dtype)
-    return (rstd * da).astype(x.dtype), dw, db
-
-
-_normalise.defvjp(_normalise_fwd, _normalise_bwd)
-
-
-def normalise(norm: Norm, x: Float[Array, "*tokens features"]) -> Float[Array, "*tokens features"]:
-    """`norm` (a LayerNorm or RMSNorm) on every row of `x`, with a closed-form gradient.
-
-    Equals `jax.vmap(norm)(x)`: computed in at least float32, returned in `x`'s
-    dtype. The gradient is written out as one expression per row
-    (`rstd * (a - mean(a) - xhat * mean(a * xhat))`, `a = g * weight`) instead of
-    `jax.grad`'s trace of the mean, the variance and the square root. Between
-    layers the residual stream's gradient is the previous one plus this term, and
-    with `jax.grad`'s many small terms XLA fused the whole chain (one term from
-    every later layer, up to 92 inputs) into each consumer and computed it again
-    there; this one is kept once per layer.
-
-    Args:
-        norm: an `eqx.nn.LayerNorm` or `eqx.nn.RMSNorm` over the last axis.
-        x: inputs, features last.
-
-    Returns:
-        The normalised rows, scaled and shifted by the norm's weight and bias.
-
-    Example:
-        >>> normalise(eqx.nn.LayerNorm(32), jnp.ones((10, 32))).shape
-        (10, 32)
-    """
-    if norm.shape != x.shape[-1:]:
-        raise ValueError(
-            f"{type(norm).__name__} of shape {norm.shape} normalises the last axis; it got "
-            f"an input of shape {x.shape}. Build it with shape (features,) = {x.shape[-1:]}."
-        )
-    centre = isinstance(norm, eqx.nn.LayerNorm)
-    return _normalise(x, norm.weight, norm.bias, norm.eps, centre)
 
 
 class DecoderBlock(eqx.Module):

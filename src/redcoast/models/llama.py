@@ -7,12 +7,13 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
+from ..nn import Norm
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
-from .layers import Attention, DecoderBlock, Norm, SwiGLU, activation
+from .layers import Attention, DecoderBlock, SwiGLU, activation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,6 +150,7 @@ class Llama(AbstractCausalLM):
                     rope_base=c.rope_theta,
                     qkv_bias=c.attention_bias,
                     out_bias=c.attention_bias,
+                    recompute_scores=remat == "attention",
                     key=ka,
                 ),
                 eqx.nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps, use_bias=False),

@@ -7,12 +7,13 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
+from ..nn import Norm
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
-from .layers import MLP, Attention, DecoderBlock, Norm, activation
+from .layers import MLP, Attention, DecoderBlock, activation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,7 +121,12 @@ class OPT(AbstractCausalLM):
             b = DecoderBlock(
                 eqx.nn.LayerNorm(c.hidden_size),
                 Attention(
-                    c.hidden_size, c.num_attention_heads, qkv_bias=bias, out_bias=bias, key=ka
+                    c.hidden_size,
+                    c.num_attention_heads,
+                    qkv_bias=bias,
+                    out_bias=bias,
+                    recompute_scores=remat == "attention",
+                    key=ka,
                 ),
                 eqx.nn.LayerNorm(c.hidden_size),
                 MLP(

@@ -15,7 +15,6 @@ its input, and both feed-forward networks column- then row-parallel.
 
 import abc
 import dataclasses
-import functools
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -26,11 +25,12 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from .. import fsdp
-from ..rematerialisation import RematPolicy, recomputed
+from ..nn import Norm, attention, normalise, table_dtype
+from ..rematerialisation import RematPolicy
 from . import hf
 from ._stack import Stack, run_stack
 from .checks import check_range
-from .layers import MLP, KVCache, Norm, SwiGLU, normalise, table_dtype
+from .layers import MLP, KVCache, SwiGLU
 
 
 class Seq2SeqAttention(eqx.Module):
@@ -47,6 +47,8 @@ class Seq2SeqAttention(eqx.Module):
         use_bias: the four projections have biases (BART) or not (T5).
         scale: multiplies the scores; `head_dim ** -0.5` (BART), 1 (T5, whose
             initialisation folds the scale into the query projection).
+        recompute_scores: keep only Q, K and V for the backward pass and compute the
+            scores again there (remat's `"attention"` policy).
         key: for the initialisation.
 
     Example:
@@ -63,7 +65,7 @@ class Seq2SeqAttention(eqx.Module):
     num_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
-    recompute_scores: bool = eqx.field(static=True, default=False)
+    recompute_scores: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class Seq2SeqAttention(eqx.Module):
         *,
         use_bias: bool,
         scale: float,
+        recompute_scores: bool = False,
         key: PRNGKeyArray,
     ):
         kq, kk, kv, ko = jax.random.split(key, 4)
@@ -84,6 +87,7 @@ class Seq2SeqAttention(eqx.Module):
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.recompute_scores = recompute_scores
 
     def keys_values(self, source: Float[Array, "src hidden"]) -> KVCache:
         """The keys and values of `source`, split into heads (where the rules read the count)."""
@@ -100,29 +104,17 @@ class Seq2SeqAttention(eqx.Module):
     ) -> Float[Array, "seq hidden"]:
         """Attend from each position of `x` to the visible slots of `memory`."""
         q = rearrange(jax.vmap(self.q_proj)(x), "s (h d) -> s h d", h=self.num_heads)
-        mix = recomputed(functools.partial(_mix, scale=self.scale), self.recompute_scores)
-        out = mix(q, memory.key.astype(q.dtype), memory.value.astype(q.dtype), visible, bias)
+        keys, values = memory.key.astype(q.dtype), memory.value.astype(q.dtype)
+        out = attention(
+            q,
+            keys,
+            values,
+            mask=visible,
+            bias=bias,
+            scale=self.scale,
+            recompute=self.recompute_scores,
+        )
         return jax.vmap(self.o_proj)(rearrange(out, "t h d -> t (h d)"))
-
-
-def _mix(
-    q: Float[Array, "seq heads head_dim"],
-    k: Float[Array, "src heads head_dim"],
-    v: Float[Array, "src heads head_dim"],
-    visible: Bool[Array, "seq src"],
-    bias: Float[Array, "heads seq src"] | None,
-    *,
-    scale: float,
-) -> Float[Array, "seq heads head_dim"]:
-    """Scaled dot-product attention with an additive bias over the visible slots."""
-    scores = jnp.einsum("thd,shd->hts", q, k) * scale
-    # Softmax in float32 whatever the weights' dtype, as transformers does.
-    scores = scores.astype(jnp.float32)
-    if bias is not None:
-        scores = scores + bias.astype(jnp.float32)
-    scores = jnp.where(visible[None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("hts,shd->thd", weights, v)
 
 
 def _pre(x: Float[Array, "seq hidden"], norm: Norm, post_norm: bool) -> Float[Array, "seq hidden"]:
@@ -226,7 +218,7 @@ def _mask_padded_vocab(logits: Float[Array, "seq vocab"], vocab: int) -> Float[A
     return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
 
 
-class AbstractSeq2SeqLM(hf.HFModel, fsdp.FSDPModule):
+class AbstractSeq2SeqLM(hf.HFModel):
     """An encoder-decoder language model: shared embeddings, two stacks, a vocabulary head.
 
     Called on one unbatched source sequence and one target sequence (the decoder input:
@@ -236,8 +228,8 @@ class AbstractSeq2SeqLM(hf.HFModel, fsdp.FSDPModule):
     values once, and `decode` feeds new target tokens through a key/value cache.
     Concrete models: `T5`, `BART`.
 
-    Under FSDP (`fsdp_layout`) each weight is gathered where it is used, as in the
-    decoders (`redcoast.fsdp`): the layers' by `run_stack`, one layer at a time, and
+    Under FSDP each weight is gathered where it is used, as in the decoders
+    (`redcoast.fsdp`): the layers' by `run_stack`, one layer at a time, and
     the embeddings, position tables, final norms and head by the architecture's
     `_embed`, `_bias`, `_final` and `_head`.
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from .._parallelism import Parallelism
 from .checks import as_int_array
 from .seq2seq import AbstractSeq2SeqLM
 
@@ -44,6 +45,14 @@ def _gather(x: Array, index: Int[Array, "batch k"]) -> Array:
 
 @eqx.filter_jit
 def _generate(
+    model: AbstractSeq2SeqLM, *args: Any, parallelism: Parallelism, **settings: Any
+) -> Int[Array, "batch new"]:
+    # The model's FSDP gathers, known here by the arrays this trace was given.
+    with parallelism.applied(model) as (model, _):
+        return _loop(model, *args, **settings)
+
+
+def _loop(
     model: AbstractSeq2SeqLM,
     input_ids: Int[Array, "batch src"],
     mask: Int[Array, "batch src"],
@@ -302,4 +311,5 @@ def generate_seq2seq(
         early_stopping=early_stopping,
         temperature=float(temperature),
         tokens=tokens,
+        parallelism=Parallelism.of(model),
     )

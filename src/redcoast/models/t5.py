@@ -11,10 +11,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import fsdp
+from ..nn import normalise, tied_logits
 from ..rematerialisation import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
-from .layers import MLP, SwiGLU, activation, normalise, tied_logits
+from .layers import MLP, SwiGLU, activation
 from .seq2seq import (
     AbstractSeq2SeqLM,
     DecoderLayer,
@@ -178,7 +179,13 @@ class T5(AbstractSeq2SeqLM):
 
         def attention(k: PRNGKeyArray) -> Seq2SeqAttention:
             return Seq2SeqAttention(
-                c.d_model, c.num_heads, c.d_kv, use_bias=False, scale=1.0, key=k
+                c.d_model,
+                c.num_heads,
+                c.d_kv,
+                use_bias=False,
+                scale=1.0,
+                recompute_scores=remat == "attention",
+                key=k,
             )
 
         def ffn(k: PRNGKeyArray) -> MLP | SwiGLU:

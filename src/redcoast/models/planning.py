@@ -1,0 +1,151 @@
+"""The zoo planned: `rc.memory_plan` takes a preset name, a config.json or a zoo config.
+
+`planned` describes a zoo model to the planner (`redcoast.planner.PlannedModel`):
+how to build it at each remat policy (stacked layers, as a large model is built),
+its loss (next-token cross-entropy; an encoder-decoder reads the sequence as its
+own source), its heads and positions, and why context parallelism cannot split an
+encoder-decoder. `memory_plan` and `sharding_plan_of` take what `planned` takes,
+or what the planner takes itself (a `PlannedModel`, or a factory of any model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import PRNGKeyArray
+
+from .. import planner
+from .._memory_plan import Layout, LoRA, MemoryPlan
+from .._sharding_plan import ShardingPlan
+from .auto import ARCHITECTURES
+from .hf import HFConfig, read_config
+from .loss import lm_loss
+from .presets import PRESETS, preset
+from .seq2seq import AbstractSeq2SeqLM
+
+__all__ = ["memory_plan", "planned", "sharding_plan_of"]
+
+Plannable = str | HFConfig | planner.PlannedModel | Callable[[PRNGKeyArray], Any]
+"""What `memory_plan` takes: a preset name, a config.json path (or its folder), a zoo
+config, a `PlannedModel`, or a factory `key -> causal LM`."""
+
+
+def _class_of(model_type: Any) -> type[Any]:
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"model_type {model_type!r} is not in the zoo; supported: {sorted(ARCHITECTURES)}."
+        )
+    return ARCHITECTURES[model_type]
+
+
+def _resolve(model: str | HFConfig) -> tuple[str, type[Any], HFConfig]:
+    """A preset name, a config.json (or its folder), or a config -> (name, class, config)."""
+    if isinstance(model, HFConfig):
+        return type(model).__name__, _class_of(model.model_type), model
+    if model in PRESETS:
+        cls, config = preset(model)
+        return model, cls, config
+    path = Path(model)
+    if path.is_file() or (path / "config.json").is_file():
+        folder = path if path.is_dir() else path.parent
+        values = read_config(folder if path.is_dir() else path)
+        cls = _class_of(values.get("model_type"))
+        return str(model), cls, cls.config_class.from_dict(values)
+    raise ValueError(
+        f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) and not a config.json."
+    )
+
+
+def _first_int(config: HFConfig, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _seq2seq_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """Source and target of the same length: the sequence and itself shifted."""
+    del key
+    ids = batch["input_ids"]
+    logits = jax.vmap(lambda s, d: model(s, d))(ids[:, :-1], ids[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), ids[:, 1:]
+    ).mean()
+
+
+def _whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """The decoders' loss on rows of exactly `seq_len` tokens (`rc.models.lm_loss`)."""
+    return lm_loss(model, batch, key)[0]
+
+
+def planned(model: str | HFConfig) -> planner.PlannedModel:
+    """A zoo preset, config.json or config described to the planner.
+
+    Raises:
+        ValueError: an unknown preset, a file that is not a config.json, or a
+            `model_type` the zoo does not have.
+    """
+    name, cls, config = _resolve(model)
+
+    def build(remat: str) -> Callable[[PRNGKeyArray], Any]:
+        options: dict[str, Any] = {"scan_layers": True}
+        if remat != "none":
+            options["remat"] = remat
+        return lambda key: cls(config, key=key, **options)
+
+    seq2seq = issubclass(cls, AbstractSeq2SeqLM)
+    heads = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
+    return planner.PlannedModel(
+        name,
+        build,
+        loss_fn=_seq2seq_loss if seq2seq else planner.next_token_loss,
+        whole_rows_loss=_whole_rows_loss,
+        example_call=cls.trace_call,
+        heads=_first_int(config, heads),
+        positions=_first_int(config, ("max_position_embeddings", "n_positions")),
+        no_context_parallel=(
+            "context parallelism splits the decoders' causal attention (GPT-2, OPT, GPT-J, "
+            "LLaMA); an encoder-decoder's masks cannot be split. Plan it with "
+            "sequence_parallel (--sequence-parallel) instead."
+            if seq2seq
+            else None
+        ),
+    )
+
+
+def _plannable(model: Plannable) -> planner.PlannedModel | Callable[[PRNGKeyArray], Any]:
+    return planned(model) if isinstance(model, str | HFConfig) else model
+
+
+def memory_plan(model: Plannable, **options: Any) -> MemoryPlan:
+    """`redcoast.planner.memory_plan` for a preset name, config.json or zoo config too.
+
+    Args:
+        model: a preset name (`"llama-7b"`, see `redcoast.models.presets.PRESETS`),
+            a `config.json` path (or its folder), a zoo config, a `PlannedModel`,
+            or a factory `key -> causal LM` (it then decides its own remat).
+        **options: as for `redcoast.planner.memory_plan` (devices, n_model_shards,
+            fsdp, seq_len, precision, remat, device_memory, search, lora_rank, ...).
+
+    Returns:
+        A `MemoryPlan`; `str()` is a readable report, `.to_dict()` JSON.
+
+    Example:
+        >>> print(rc.memory_plan("llama-7b", devices=4, n_model_shards=4, seq_len=1024,
+        ...                      remat="full", device_memory="40GB"))
+    """
+    return planner.memory_plan(_plannable(model), **options)
+
+
+def sharding_plan_of(
+    model: str | HFConfig | planner.PlannedModel, layout: Layout, lora: LoRA | None = None
+) -> ShardingPlan:
+    """The `ShardingPlan` `memory_plan` uses for `model` under `layout`."""
+    found = planned(model) if isinstance(model, str | HFConfig) else model
+    return planner.sharding_plan_of(found, layout, lora)
