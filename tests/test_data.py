@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast.data import collate, epoch_order, global_batch_size, process_rows
+from redcoast.data import collate_examples, epoch_order, global_batch_size, process_rows
 
 
 def collate_fn(examples):
@@ -97,25 +97,25 @@ def test_collate_fn_must_return_a_dict_of_arrays_sharing_the_batch_axis():
     with pytest.raises(
         TypeError, match=r"collate_fn \(as_list\) must return a dict.*4 examples.*list"
     ):
-        collate(as_list, _examples(4))
+        collate_examples(as_list, _examples(4))
 
     def short_labels(examples):
         return {"x": np.stack([e["x"] for e in examples]), "y": np.zeros(len(examples) - 1)}
 
     with pytest.raises(ValueError, match=r"short_labels.*given 4 examples.*'y': \(3,\)"):
-        collate(short_labels, _examples(4))
+        collate_examples(short_labels, _examples(4))
 
     def ragged(examples):
         return {"x": [list(range(e["id"] + 1)) for e in examples]}
 
     with pytest.raises(ValueError, match=r"collate_fn \(ragged\) returned a ragged value for 'x'"):
-        collate(ragged, _examples(4))
+        collate_examples(ragged, _examples(4))
 
     def scalar(examples):
         return {"n": len(examples)}
 
     with pytest.raises(ValueError, match=r"leading axis is 4; it returned shapes \{'n': \(\)\}"):
-        collate(scalar, _examples(4))
+        collate_examples(scalar, _examples(4))
     # The same check guards every batch that batches() builds.
     with pytest.raises(TypeError, match="must return a dict"):
         next(rc.batches(_examples(16), collate_fn=as_list, mesh=rc.make_mesh(1), batch_size=8))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import xxhash
 
-from .data import to_host
+from ._host import to_host
 
 __all__ = [
     "CHECKSUM",

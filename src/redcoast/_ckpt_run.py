@@ -6,9 +6,9 @@ import shutil
 import warnings
 from pathlib import Path
 
+from ._checks import check_positive
 from ._ckpt_durable import OLD, is_checkpoint
 from ._ckpt_format import CheckpointError, read_group, read_state, verify_groups
-from .data import check_positive
 
 __all__ = [
     "STEP_PREFIX",

@@ -11,12 +11,12 @@ import equinox as eqx
 import optax
 from jaxtyping import PyTree
 
+from ._checks import check_positive
 from ._ckpt_run import Checkpointing
 from ._parallelism import Parallelism, SequenceOption
 from ._resume import Run
 from ._resume import resume as resume_run
 from .checkpoint import fingerprint
-from .data import check_positive
 from .evaluate import Evaluation
 from .loop import LoopState
 from .place import own_copy, place, release, replicate_strays

@@ -26,9 +26,9 @@ from jax.typing import DTypeLike
 from jaxtyping import PyTree
 from safetensors.numpy import load_file, save_file
 
+from ._host import to_host
 from ._lora import LoRAEmbedding, LoRALinear, adapted_paths, apply, check_alpha, lora_layers
 from ._tree_paths import leaves_with_paths, path_str
-from .data import to_host
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

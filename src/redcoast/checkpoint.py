@@ -85,9 +85,9 @@ from ._ckpt_run import STEP_PREFIX as STEP_PREFIX
 from ._ckpt_run import latest_checkpoint as latest_checkpoint
 from ._ckpt_run import prune_checkpoints as prune_checkpoints
 from ._ckpt_run import step_checkpoint_path as step_checkpoint_path
+from ._host import barrier
 from ._placement import optimizer_specs, specs_by_path
 from ._tree_paths import array_leaves, path_str
-from .data import barrier
 
 __all__ = [
     "Checkpoint",

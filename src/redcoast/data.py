@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import xxhash
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Int
 
+from ._checks import check_positive
 from .mesh import DATA, mesh_shape
 
 CollateFn = Callable[[list[Any]], Mapping[str, Any]]
@@ -101,16 +101,6 @@ def order_fingerprint(n: int, *, seed: int, epoch: int) -> str:
     return xxhash.xxh3_64_hexdigest(order.astype("<i8").tobytes())
 
 
-def check_positive(name: str, value: Any, *, optional: bool = True) -> None:
-    """Raise a `ValueError` naming `name` unless `value` is an int >= 1 (or None, if optional)."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(
-            f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}."
-        )
-
-
 def global_batch_size(
     mesh: Mesh,
     per_device_batch_size: int,
@@ -168,7 +158,7 @@ def process_rows(mesh: Mesh, batch_size: int) -> Int[np.ndarray, " local"]:
     return np.concatenate([np.arange(a, b) for a, b in sorted(spans)]).astype(np.int64)
 
 
-def collate(collate_fn: CollateFn, examples: list[Any]) -> dict[str, np.ndarray]:
+def collate_examples(collate_fn: CollateFn, examples: list[Any]) -> dict[str, np.ndarray]:
     """Call `collate_fn` and check it returned a dict of arrays sharing the batch axis.
 
     Args:
@@ -184,7 +174,7 @@ def collate(collate_fn: CollateFn, examples: list[Any]) -> dict[str, np.ndarray]
             array is not numbers or booleans (strings, datetimes, objects).
 
     Example:
-        >>> collate(lambda exs: {"x": np.stack(exs)}, [np.zeros(3)] * 4)["x"].shape
+        >>> collate_examples(lambda exs: {"x": np.stack(exs)}, [np.zeros(3)] * 4)["x"].shape
         (4, 3)
     """
     name = getattr(collate_fn, "__name__", "collate_fn")
@@ -307,41 +297,6 @@ def make_global(
     }
 
 
-def to_host(tree: Any) -> Any:
-    """Every array of `tree` as a NumPy array, whole, on every process.
-
-    Arrays split over several processes are gathered (a collective: every process
-    must call this for the same tree); the rest are copied from the devices.
-
-    Args:
-        tree: a pytree of arrays, e.g. a step's predictions.
-
-    Returns:
-        The same pytree with NumPy leaves.
-
-    Example:
-        >>> to_host({"logits": predictions})["logits"].shape
-        (64, 10)
-    """
-
-    def one(x: Any) -> np.ndarray:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
-
-    return jax.tree.map(one, tree)
-
-
-def barrier(name: str) -> None:
-    """Wait until every process reaches the barrier `name` (nothing on one process).
-
-    Args:
-        name: the same on every process, distinct per barrier.
-    """
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
 def batches(
     examples: Examples,
     *,
@@ -393,5 +348,5 @@ def batches(
         n_valid = len(idx)
         if n_valid < batch_size:
             idx = np.concatenate([idx, np.full(batch_size - n_valid, idx[-1], np.int64)])
-        local = collate(collate_fn, [examples[int(i)] for i in idx[rows]])
+        local = collate_examples(collate_fn, [examples[int(i)] for i in idx[rows]])
         yield Batch(make_global(local, mesh, batch_size, split_rows=split_rows), idx, n_valid)

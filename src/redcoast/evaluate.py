@@ -16,9 +16,11 @@ import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
+from ._checks import check_positive
 from ._context_parallel import ContextParallel
+from ._host import to_host
 from ._parallelism import ContextOption, Parallelism, SequenceOption, check_options
-from .data import Batch, CollateFn, Examples, batches, check_positive, global_batch_size, to_host
+from .data import Batch, CollateFn, Examples, batches, global_batch_size
 from .inference_step import predict_step
 from .mesh import make_mesh
 from .place import model_mesh, place

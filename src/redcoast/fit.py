@@ -41,14 +41,7 @@ from ._parallelism import ContextOption, SequenceOption, check_options
 from ._resume import Run as _Run
 from ._signals import stop_requests as _stop_requests
 from .checkpoint import step_checkpoint_path
-from .data import (
-    Batch,
-    CollateFn,
-    Examples,
-    batches,
-    global_batch_size,
-    order_fingerprint,
-)
+from .data import Batch, CollateFn, Examples, batches, global_batch_size, order_fingerprint
 from .evaluate import Evaluation, check_examples
 from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
 from .loop import Hook, LoopState, always, run_loop

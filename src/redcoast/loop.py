@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .data import Batch, check_positive
+from ._checks import check_positive
+from .data import Batch
 from .evaluate import BestMetric
 
 

@@ -43,7 +43,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from .data import barrier
+from ._host import barrier
 
 LOCK_FILE = ".redcoast.lock"
 """The file in a workdir that says which live run holds it (and is locked itself where a

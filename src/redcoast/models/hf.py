@@ -35,9 +35,9 @@ from jax.typing import DTypeLike
 from jaxtyping import PyTree
 from safetensors.numpy import save_file
 
+from .._host import to_host
 from .._placement import check_specs, host_to_mesh, specs_by_path
 from .._tree_paths import array_leaves, leaves_with_paths, path_str
-from ..data import to_host
 from ..mesh import DATA, MODEL
 from ..sharding import sharding_rules
 from ._hf_config import HFConfig as HFConfig
