@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-import redcoast._ckpt_format
+import redcoast.checkpoint._format
 
 # The reference models live with the tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -154,11 +154,11 @@ def child(args: argparse.Namespace) -> None:
     def ours_save_unhashed() -> None:
         # The same save, every hash replaced by a constant that costs nothing.
         unhashed = types.SimpleNamespace(xxh3_64_hexdigest=lambda data: "0" * 16)
-        real, redcoast._ckpt_format.xxhash = redcoast._ckpt_format.xxhash, unhashed
+        real, redcoast.checkpoint._format.xxhash = redcoast.checkpoint._format.xxhash, unhashed
         try:
             rc.save_checkpoint(root / "unhashed", model=model, step=0)
         finally:
-            redcoast._ckpt_format.xxhash = real
+            redcoast.checkpoint._format.xxhash = real
 
     def raw_load() -> Any:
         tensors = safetensors.numpy.load_file(str(root / "raw.safetensors"))

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from tiny import TinyGPT
 
 import redcoast as rc
-from redcoast.checkpoint import CheckpointError
+from redcoast.checkpoint._io import CheckpointError
 
 IDS = jnp.zeros((2, 8), jnp.int32)
 

@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from tiny import drawn
 
 import redcoast as rc
-from redcoast._parallelism import check_options
+from redcoast.parallel._parallelism import check_options
 
 ROWS = np.random.default_rng(0).integers(0, 128, (8, 16)).astype(np.int32)
 

@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast.data import collate_examples, epoch_order, global_batch_size, process_rows
+from redcoast.train.data import collate_examples, epoch_order, global_batch_size, process_rows
 
 
 def collate_fn(examples):

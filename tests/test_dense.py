@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import redcoast as rc
-from redcoast.nn import dense, normalise
+from redcoast.nn._layers import dense, normalise
 
 LIN = eqx.nn.Linear(3, 6, key=jax.random.key(0))
 X = jax.random.normal(jax.random.key(1), (4, 5, 3))

@@ -16,7 +16,6 @@ import pytest
 
 import redcoast as rc
 from redcoast import distributed
-from redcoast._watchdog import silent_peers
 from redcoast.distributed import (
     EXIT_PEER_LOST,
     expand_nodelist,
@@ -24,6 +23,7 @@ from redcoast.distributed import (
     heartbeat_timeout,
     resolve,
 )
+from redcoast.distributed._watchdog import silent_peers
 
 SCRIPT = Path(__file__).parent / "scripts" / "allsum.py"
 TRAIN = Path(__file__).parent / "scripts" / "train_forever.py"

@@ -38,13 +38,13 @@ from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
 import redcoast as rc
-import redcoast._ckpt_format as ckpt_format
-from redcoast import planner
-from redcoast.checkpoint import CheckpointError
-from redcoast.checkpoint import step_checkpoint_path as step_path
+import redcoast.checkpoint._format as ckpt_format
+from redcoast.plan import planner
+from redcoast.checkpoint._io import CheckpointError
+from redcoast.checkpoint._io import step_checkpoint_path as step_path
 from redcoast.cli import main as cli_main
-from redcoast.data import order_fingerprint
-from redcoast.planner import parse_bytes
+from redcoast.plan.planner import parse_bytes
+from redcoast.train.data import order_fingerprint
 
 
 def tree(step: int) -> dict[str, Any]:
@@ -715,7 +715,7 @@ def test_fit_that_raises_releases_its_workdir(tmp_path):
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from redcoast.workdir import hold_workdir
+    from redcoast.train.workdir import hold_workdir
     with hold_workdir(sys.argv[1]):
         print("held", flush=True)
         time.sleep(600)
@@ -747,7 +747,7 @@ def test_a_filesystem_without_locks_is_named_and_the_run_goes_on(tmp_path, monke
     def refuse(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr("redcoast.workdir.fcntl.flock", refuse)
+    monkeypatch.setattr("redcoast.train.workdir.fcntl.flock", refuse)
     with pytest.warns(UserWarning, match=r"does not support file locks .*cannot stop a second"):
         result = _train(tmp_path, 2)
     assert result.step == 2 and rc.latest_checkpoint(tmp_path / "ckpts") is not None
@@ -806,7 +806,7 @@ def test_where_folders_cannot_be_locked_the_lock_file_is_held(tmp_path, monkeypa
             raise OSError(errno.EBADF, "Bad file descriptor")
         real(fd, operation)
 
-    monkeypatch.setattr("redcoast.workdir.fcntl.flock", files_only)
+    monkeypatch.setattr("redcoast.train.workdir.fcntl.flock", files_only)
     refused = []
 
     def second_run(state):
@@ -912,7 +912,7 @@ def test_simulated_devices_are_patient_at_collectives():
     (an unknown XLA flag would end the process at start)."""
     done = _lagging(1, "--simulate")
     assert done.returncode == 0 and "sum 28.0" in done.stdout, done.stderr[-3000:]
-    assert rc.simulate_devices.__module__ == "redcoast._simulated"
+    assert rc.simulate_devices.__module__ == "redcoast.distributed._simulated"
     assert "xla_cpu_collective_call_terminate_timeout_seconds=600" in os.environ["XLA_FLAGS"]
 
 
@@ -955,7 +955,7 @@ def test_a_damaged_line_inside_metrics_jsonl_is_named(tmp_path):
 
 
 def test_jsonl_lines_go_out_whole_in_one_write(tmp_path, monkeypatch):
-    from redcoast import logging as rc_logging
+    from redcoast.train import logging as rc_logging
 
     writes: list[bytes] = []
     real = os.write

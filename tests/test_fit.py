@@ -16,7 +16,7 @@ from sklearn.datasets import load_digits
 from tiny import TinyGPT
 
 import redcoast as rc
-from redcoast.data import epoch_order
+from redcoast.train.data import epoch_order
 
 
 def collate_fn(examples):
@@ -208,7 +208,7 @@ def test_dropout_losses_agree_on_one_device_8x1_and_2x4():
             collate_fn=lm_collate,
             loss_fn=lm_loss,
             mesh=mesh,
-            per_device_batch_size=8 // rc.mesh.mesh_shape(mesh)[0],
+            per_device_batch_size=8 // rc.parallel.mesh.mesh_shape(mesh)[0],
             max_steps=5,
             log_every=1,
             progress=False,

@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
 from redcoast import distributed
-from redcoast.data import batches, check_int_range, make_global
 from redcoast.models import (
     GPT2,
     GPTJ,
@@ -32,6 +31,7 @@ from redcoast.models import (
     OPTConfig,
     generate,
 )
+from redcoast.train.data import batches, check_int_range, make_global
 
 VOCAB = 50
 POSITIONS = 16

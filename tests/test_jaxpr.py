@@ -22,11 +22,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast import _jaxpr
-from redcoast._dataflow import RULES, trace_dataflow
-from redcoast._jaxpr import UnknownLayout
-from redcoast.fsdp import GATHERED, remat_policy
-from redcoast.nn import dense, normalise
+from redcoast.parallel import _jaxpr
+from redcoast.nn._layers import dense, normalise
+from redcoast.parallel._dataflow import RULES, trace_dataflow
+from redcoast.parallel._jaxpr import UnknownLayout
+from redcoast.parallel.fsdp import GATHERED, remat_policy
 
 X = jnp.ones((3, 8))
 W = jnp.ones((8, 8))

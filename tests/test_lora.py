@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, jaxtyped
 from tiny import megatron_specs
 
 import redcoast as rc
-from redcoast.checkpoint import checkpoint_state
+from redcoast.checkpoint._io import checkpoint_state
 
 
 class MLP(eqx.Module):

@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray
 
 import redcoast as rc
-from redcoast._dataflow import trace_dataflow
 from redcoast._tree_paths import path_str
+from redcoast.parallel._dataflow import trace_dataflow
 
 KEY = jax.random.key(0)
 IDS = jax.random.randint(jax.random.key(1), (16, 16), 0, 64)

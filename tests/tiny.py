@@ -18,8 +18,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from redcoast.mesh import MODEL
 from redcoast.models.layers import MLP, Attention, SwiGLU
+from redcoast.parallel.mesh import MODEL
 
 
 class GPTBlock(eqx.Module):

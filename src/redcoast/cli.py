@@ -11,8 +11,8 @@ from typing import Any
 import click
 
 from . import __version__, _examples
-from .planner import PRECISIONS, REMATS
-from .workdir import WorkdirInUseError
+from .plan.planner import PRECISIONS, REMATS
+from .train.workdir import WorkdirInUseError
 
 
 def _simulate_devices(n: int) -> None:
@@ -21,7 +21,7 @@ def _simulate_devices(n: int) -> None:
     Asking again for the number the running backend already has is fine (tests run
     the command in a process whose backend has started).
     """
-    from ._simulated import simulate_devices
+    from .distributed._simulated import simulate_devices
 
     try:
         simulate_devices(n)

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from redcoast._simulated import SIMULATED_XLA_FLAGS
 from redcoast.distributed import free_port
-from redcoast.workdir import hold_workdir
+from redcoast.distributed._simulated import SIMULATED_XLA_FLAGS
+from redcoast.train.workdir import hold_workdir
 
 pytestmark = pytest.mark.multihost
 
@@ -195,7 +195,9 @@ def test_a_held_workdir_stops_every_process_of_a_job(tmp_path: Path) -> None:
     assert proc.returncode not in (0, 124), log  # failed, and not by the launcher's timeout
     held = f"is in use by another live run: process {os.getpid()} on host"
     for rank in (0, 1):
-        error = f"[{rank}] redcoast.workdir.WorkdirInUseError: workdir {out / 'workdir'} {held}"
+        error = (
+            f"[{rank}] redcoast.train.workdir.WorkdirInUseError: workdir {out / 'workdir'} {held}"
+        )
         assert error in log, log
     assert not (out / "workdir" / "metrics.jsonl").exists()
     assert not (out / "workdir" / "ckpts").exists()

@@ -46,7 +46,7 @@ def __getattr__(name: str) -> object:
     if name in ("dense", "normalise"):
         import warnings
 
-        from .. import nn
+        from ..nn import _layers as nn
 
         warnings.warn(
             f"rc.models.{name} is rc.nn.{name}; the old name goes in the next release.",

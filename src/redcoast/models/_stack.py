@@ -16,8 +16,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from .. import fsdp
-from ..rematerialisation import remat
+from ..nn._remat import remat
+from ..parallel import fsdp
 
 _Layer = TypeVar("_Layer", bound=eqx.Module)
 

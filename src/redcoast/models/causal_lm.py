@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
-from .. import fsdp
-from ..nn import Norm, normalise, table_dtype, tied_logits
-from ..rematerialisation import RematPolicy
+from ..nn._layers import Norm, normalise, table_dtype, tied_logits
+from ..nn._remat import RematPolicy
+from ..parallel import fsdp
 from . import hf
 from ._stack import run_stack
 from .checks import check_range

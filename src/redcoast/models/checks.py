@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Int
 
-from ..data import int32_overflow
+from ..train.data import int32_overflow
 
 
 @overload

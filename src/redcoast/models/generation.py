@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._parallelism import Parallelism
+from ..parallel._parallelism import Parallelism
 from .causal_lm import AbstractCausalLM
 from .checks import as_int_array, check_range
 

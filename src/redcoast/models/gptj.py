@@ -7,8 +7,8 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import Norm
-from ..rematerialisation import RematPolicy, check_remat
+from ..nn._layers import Norm
+from ..nn._remat import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks

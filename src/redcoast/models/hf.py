@@ -35,11 +35,11 @@ from jax.typing import DTypeLike
 from jaxtyping import PyTree
 from safetensors.numpy import save_file
 
-from .._host import to_host
-from .._placement import check_specs, host_to_mesh, specs_by_path
 from .._tree_paths import array_leaves, leaves_with_paths, path_str
-from ..mesh import DATA, MODEL
-from ..sharding import sharding_rules
+from ..distributed._host import to_host
+from ..parallel._placement import check_specs, host_to_mesh, specs_by_path
+from ..parallel.mesh import DATA, MODEL
+from ..parallel.sharding import sharding_rules
 from ._hf_config import HFConfig as HFConfig
 from ._hf_config import read_config as read_config
 from ._hf_folder import INDEX as INDEX

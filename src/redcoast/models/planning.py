@@ -1,6 +1,6 @@
 """The zoo planned: `rc.memory_plan` takes a preset name, a config.json or a zoo config.
 
-`planned` describes a zoo model to the planner (`redcoast.planner.PlannedModel`):
+`planned` describes a zoo model to the planner (`redcoast.plan.planner.PlannedModel`):
 how to build it at each remat policy (stacked layers, as a large model is built),
 its loss (next-token cross-entropy; an encoder-decoder reads the sequence as its
 own source), its heads and positions, and why context parallelism cannot split an
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PRNGKeyArray
 
-from .. import planner
-from .._memory_plan import Layout, LoRA, MemoryPlan
-from .._sharding_plan import ShardingPlan
+from ..parallel._sharding_plan import ShardingPlan
+from ..plan import planner
+from ..plan._report import Layout, LoRA, MemoryPlan
 from .auto import ARCHITECTURES
 from .hf import HFConfig, read_config
 from .loss import lm_loss
@@ -124,13 +124,13 @@ def _plannable(model: Plannable) -> planner.PlannedModel | Callable[[PRNGKeyArra
 
 
 def memory_plan(model: Plannable, **options: Any) -> MemoryPlan:
-    """`redcoast.planner.memory_plan` for a preset name, config.json or zoo config too.
+    """`redcoast.plan.planner.memory_plan` for a preset name, config.json or zoo config too.
 
     Args:
         model: a preset name (`"llama-7b"`, see `redcoast.models.presets.PRESETS`),
             a `config.json` path (or its folder), a zoo config, a `PlannedModel`,
             or a factory `key -> causal LM` (it then decides its own remat).
-        **options: as for `redcoast.planner.memory_plan` (devices, n_model_shards,
+        **options: as for `redcoast.plan.planner.memory_plan` (devices, n_model_shards,
             fsdp, seq_len, precision, remat, device_memory, search, lora_rank, ...).
 
     Returns:

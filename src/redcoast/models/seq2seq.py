@@ -24,9 +24,9 @@ from einops import rearrange
 from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from .. import fsdp
-from ..nn import Norm, attention, normalise, table_dtype
-from ..rematerialisation import RematPolicy
+from ..nn._layers import Norm, attention, normalise, table_dtype
+from ..nn._remat import RematPolicy
+from ..parallel import fsdp
 from . import hf
 from ._stack import Stack, run_stack
 from .checks import check_range

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from .._parallelism import Parallelism
+from ..parallel._parallelism import Parallelism
 from .checks import as_int_array
 from .seq2seq import AbstractSeq2SeqLM
 

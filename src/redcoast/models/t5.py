@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .. import fsdp
-from ..nn import normalise, tied_logits
-from ..rematerialisation import RematPolicy, check_remat
+from ..nn._layers import normalise, tied_logits
+from ..nn._remat import RematPolicy, check_remat
+from ..parallel import fsdp
 from . import hf
 from ._stack import make_stack
 from .layers import MLP, SwiGLU, activation

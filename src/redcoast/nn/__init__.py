@@ -1,0 +1,21 @@
+"""Building blocks any model can use, and that the parallelisms act on.
+
+`dense` runs a Linear (or a module standing for one, `AbstractProjection`) over
+every token at once; `AbstractTable` stands for a token table; `normalise` runs a
+LayerNorm or RMSNorm with a closed-form gradient; `attention` is scaled
+dot-product attention, split over the sequence under context parallelism; `remat`
+recomputes a function in the backward pass. The zoo is written with them, and so
+may a user's own model: LoRA wraps what `dense` runs, sequence parallelism splits
+it, and `attention` runs over a sequence that `rc.ContextParallel` splits.
+"""
+
+from ._layers import AbstractProjection as AbstractProjection
+from ._layers import AbstractTable as AbstractTable
+from ._layers import Norm as Norm
+from ._layers import attention as attention
+from ._layers import dense as dense
+from ._layers import normalise as normalise
+from ._layers import table_dtype as table_dtype
+from ._layers import tied_logits as tied_logits
+from ._remat import RematPolicy as RematPolicy
+from ._remat import remat as remat

@@ -1,0 +1,297 @@
+"""The blocks of `redcoast.nn`: projections, tables, norms and attention."""
+
+import abc
+import functools
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from einops import repeat
+from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from ..parallel import _active
+from ._remat import PROJECTION, recomputed
+
+__all__ = [
+    "AbstractProjection",
+    "AbstractTable",
+    "Norm",
+    "attention",
+    "dense",
+    "normalise",
+    "table_dtype",
+    "tied_logits",
+]
+
+
+class AbstractProjection(eqx.Module):
+    """A module that stands where a block has a Linear, wrapping one (`base`).
+
+    Adapters such as `rc.lora.LoRALinear` replace a block's Linear without the block
+    knowing: `dense` hands them every token at once (`over_tokens`), so they keep the
+    fast matmul path, and the sharding rules read `base` as the Linear it stands for.
+    """
+
+    base: eqx.AbstractVar[eqx.nn.Linear]
+
+    @abc.abstractmethod
+    def over_tokens(self, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
+        """The module on every row of `x` (features last)."""
+
+
+class AbstractTable(eqx.Module):
+    """A module that stands where a model has its token table, wrapping one (`base`).
+
+    Called on one id as `eqx.nn.Embedding` is; `logits` stands for the table as an
+    output head tied to it, so a wrapper such as `rc.lora.LoRAEmbedding` changes
+    the input and the tied head alike.
+    """
+
+    base: eqx.AbstractVar[eqx.nn.Embedding]
+
+    @abc.abstractmethod
+    def __call__(
+        self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " features"]:
+        """The row of token `x`."""
+
+    @abc.abstractmethod
+    def logits(self, h: Float[Array, "*tokens features"]) -> Float[Array, "*tokens vocab"]:
+        """`h` against every row: the logits of a head tied to the table."""
+
+
+def tied_logits(
+    table: eqx.nn.Embedding | AbstractTable, h: Float[Array, "*tokens features"]
+) -> Float[Array, "*tokens vocab"]:
+    """The logits of an output head tied to `table`: `h` against each of its rows."""
+    return table.logits(h) if isinstance(table, AbstractTable) else h @ table.weight.T
+
+
+def table_dtype(table: eqx.nn.Embedding | AbstractTable) -> DTypeLike:
+    """The dtype of the token table (the wrapped one's, for an `AbstractTable`)."""
+    return (table.base if isinstance(table, AbstractTable) else table).weight.dtype
+
+
+def dense(
+    layer: eqx.nn.Linear | AbstractProjection, x: Float[Array, "*tokens in"]
+) -> Float[Array, "*tokens out"]:
+    """`layer` on every row of `x`: `jax.vmap(layer)(x)` as one matmul over the rows.
+
+    The token axes are flattened into one before the matmul (a free reshape), so
+    `jax.grad` writes the weight gradient as `g^T x` (`g` the output's gradient)
+    contracting that one axis: a matmul XLA:CPU runs on both operands as they lie.
+    Contracting several token axes instead makes XLA first copy `g` (or `x`)
+    transposed into a `(features, tokens)` matrix, and fuse into that copy the
+    elementwise work that produces it. Under `jax.vmap` the batch axis is a second
+    contracting axis of the batch's weight gradient, which XLA meets with such a
+    copy; only JAX's own transformations of a `dot_general` are involved, so `dense`
+    composes with every `jax.vmap`, `jax.grad` and `jax.jit`, to any order.
+
+    Args:
+        layer: the Linear (weight `(out, in)`, optional bias `(out,)`), or a module
+            wrapping one (`AbstractProjection`), which computes over the tokens itself.
+        x: inputs, features last.
+
+    Returns:
+        `x @ layer.weight.T + layer.bias`.
+
+    Example:
+        >>> layer = eqx.nn.Linear(32, 64, key=jax.random.key(0))
+        >>> dense(layer, jnp.ones((10, 32))).shape
+        (10, 64)
+    """
+    if isinstance(layer, AbstractProjection):
+        return layer.over_tokens(x)
+    rows = x.reshape(-1, x.shape[-1])
+    y = jax.lax.dot_general(rows, layer.weight, (((1,), (1,)), ((), ())))
+    # Named, so that remat's "dots" policy keeps the output by name (`PROJECTION`).
+    y = checkpoint_name(y.reshape(*x.shape[:-1], y.shape[-1]), PROJECTION)
+    return y if layer.bias is None else y + layer.bias
+
+
+Norm = eqx.nn.LayerNorm | eqx.nn.RMSNorm
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _normalise(
+    x: Array, weight: Array | None, bias: Array | None, eps: float, centre: bool
+) -> Array:
+    return _normalise_fwd(x, weight, bias, eps, centre)[0]
+
+
+_NormResiduals = tuple[Array, Array | None, Array, Array | None, Array | None]
+
+
+def _standardised(x: Array, mean: Array | None, rstd: Array) -> Array:
+    x = x.astype(rstd.dtype)
+    return (x if mean is None else x - mean) * rstd
+
+
+def _normalise_fwd(
+    x: Array, weight: Array | None, bias: Array | None, eps: float, centre: bool
+) -> tuple[Array, _NormResiduals]:
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mean = xf.mean(-1, keepdims=True) if centre else None
+    centred = xf if mean is None else xf - mean
+    rstd = jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + eps)
+    y = centred * rstd
+    if weight is not None:
+        y = weight.astype(y.dtype) * y
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y.astype(x.dtype), (x, mean, rstd, weight, bias)
+
+
+def _normalise_bwd(
+    eps: float, centre: bool, res: _NormResiduals, g: Array
+) -> tuple[Array, Array | None, Array | None]:
+    del eps, centre
+    x, mean, rstd, weight, bias = res
+    xhat = _standardised(x, mean, rstd)
+    g = g.astype(xhat.dtype)
+    tokens = tuple(range(g.ndim - 1))
+    a = g if weight is None else g * weight.astype(g.dtype)
+    da = a - xhat * (a * xhat).mean(-1, keepdims=True)
+    if mean is not None:
+        da = da - a.mean(-1, keepdims=True)
+    dw = None if weight is None else (g * xhat).sum(tokens).astype(weight.dtype)
+    db = None if bias is None else g.sum(tokens).astype(bias.dtype)
+    return (rstd * da).astype(x.dtype), dw, db
+
+
+_normalise.defvjp(_normalise_fwd, _normalise_bwd)
+
+
+def normalise(norm: Norm, x: Float[Array, "*tokens features"]) -> Float[Array, "*tokens features"]:
+    """`norm` (a LayerNorm or RMSNorm) on every row of `x`, with a closed-form gradient.
+
+    Equals `jax.vmap(norm)(x)`: computed in at least float32, returned in `x`'s
+    dtype. The gradient is written out as one expression per row
+    (`rstd * (a - mean(a) - xhat * mean(a * xhat))`, `a = g * weight`) instead of
+    `jax.grad`'s trace of the mean, the variance and the square root. Between
+    layers the residual stream's gradient is the previous one plus this term, and
+    with `jax.grad`'s many small terms XLA fused the whole chain (one term from
+    every later layer, up to 92 inputs) into each consumer and computed it again
+    there; this one is kept once per layer.
+
+    Args:
+        norm: an `eqx.nn.LayerNorm` or `eqx.nn.RMSNorm` over the last axis.
+        x: inputs, features last.
+
+    Returns:
+        The normalised rows, scaled and shifted by the norm's weight and bias.
+
+    Example:
+        >>> normalise(eqx.nn.LayerNorm(32), jnp.ones((10, 32))).shape
+        (10, 32)
+    """
+    if norm.shape != x.shape[-1:]:
+        raise ValueError(
+            f"{type(norm).__name__} of shape {norm.shape} normalises the last axis; it got "
+            f"an input of shape {x.shape}. Build it with shape (features,) = {x.shape[-1:]}."
+        )
+    centre = isinstance(norm, eqx.nn.LayerNorm)
+    return _normalise(x, norm.weight, norm.bias, norm.eps, centre)
+
+
+def _scores_softmax_values(
+    q: Array, k: Array, v: Array, visible: Array | None, bias: Array | None, scale: float | None
+) -> Array:
+    scores = jnp.einsum("...thd,...shd->...hts", q, k)
+    # Dividing by the root when no scale is given keeps the decoders' arithmetic exactly.
+    scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
+    # Softmax in float32 whatever the weights' dtype, as every HF implementation does.
+    scores = scores.astype(jnp.float32)
+    if bias is not None:
+        scores = scores + bias.astype(jnp.float32)
+    if visible is not None:
+        scores = jnp.where(visible[..., None, :, :], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("...hts,...shd->...thd", weights, v)
+
+
+def attention(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "*batch kv_seq kv_heads head_dim"],
+    *,
+    causal: bool = False,
+    mask: Bool[Array, "*batch seq kv_seq"] | None = None,
+    bias: Float[Array, "*#batch heads seq kv_seq"] | None = None,
+    scale: float | None = None,
+    recompute: bool = False,
+) -> Float[Array, "*batch seq heads head_dim"]:
+    """Scaled dot-product attention, split over the sequence when a step asks for it.
+
+    `softmax(q k^T * scale + bias)` over the visible keys, times `v`, with the scores
+    and the softmax in float32 whatever the inputs' dtype (queries that see no key
+    average every value, as a softmax over equal scores does). Key/value heads fewer
+    than the query heads serve `heads // kv_heads` consecutive query heads each
+    (grouped-query attention).
+
+    Inside a step given context parallelism (`rc.ContextParallel`), causal attention
+    with no mask or bias runs as `rc.context_parallel_attention` over the split
+    sequence, so no device holds every token; anything else it cannot split is an
+    error naming what to use instead.
+
+    Args:
+        q: queries, split into heads.
+        k: keys.
+        v: values.
+        causal: each query sees its own and earlier positions (needs `seq == kv_seq`).
+        mask: which keys each query sees, `(seq, kv_seq)` (with `causal`, both apply).
+        bias: added to the scores (T5's relative positions).
+        scale: multiplies the scores; default: divides them by `sqrt(head_dim)`.
+        recompute: keep only `q`, `k` and `v` for the backward pass and compute the
+            scores again there (remat's `"attention"` policy).
+
+    Returns:
+        The attention output, shaped as `q`.
+
+    Raises:
+        ValueError: heads that do not group, `causal` with `seq != kv_seq`, or, under
+            context parallelism, a mask or bias (which it cannot split).
+
+    Example:
+        >>> q = k = v = jnp.ones((10, 4, 8))   # (seq, heads, head_dim)
+        >>> attention(q, k, v, causal=True).shape
+        (10, 4, 8)
+    """
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if heads % kv_heads:
+        raise ValueError(
+            f"attention: {heads} query heads cannot share {kv_heads} key/value heads; the "
+            "query heads must be a multiple of the key/value heads."
+        )
+    seq, kv_seq = q.shape[-3], k.shape[-3]
+    if causal and seq != kv_seq:
+        raise ValueError(
+            f"attention: causal=True needs as many keys as queries; got {seq} queries and "
+            f"{kv_seq} keys. Pass a mask for attention to a cache."
+        )
+    active = _active.current()
+    if active is not None:
+        active.attention_calls += 1
+        if active.context is not None:
+            if mask is not None or bias is not None or not causal:
+                raise ValueError(
+                    "context parallelism splits causal attention within one sequence; this "
+                    "attention takes a (query, key) mask or bias (an encoder-decoder's "
+                    "padding, relative positions, or attention to another sequence), which "
+                    "it cannot split. Train such a model with sequence_parallel=True over "
+                    "the model axis instead."
+                )
+            return active.context.attend(q, k, v)
+    if heads != kv_heads:
+        group = heads // kv_heads
+        k = repeat(k, "... s h d -> ... s (h g) d", g=group)
+        v = repeat(v, "... s h d -> ... s (h g) d", g=group)
+    visible = mask
+    if causal:
+        tril = jnp.tril(jnp.ones((seq, kv_seq), dtype=bool))
+        visible = tril if visible is None else visible & tril
+    fn = functools.partial(_scores_softmax_values, scale=scale)
+    return recomputed(fn, recompute)(q, k, v, visible, bias)

@@ -1,0 +1,279 @@
+"""The train step `memory_plan` measures: built as `fit` runs it, on abstract shapes, compiled.
+
+The model (a `PlannedModel`) is built with `eqx.filter_eval_shape`, placed by the
+sharding plan (tensor parallelism, FSDP), given LoRA adapters and an AdamW state
+when asked, and the step is lowered and compiled for the layout's devices; XLA's
+memory analysis gives the bytes, and the shardings the parameters' and state's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PRNGKeyArray, PyTree
+
+from .._tree_paths import leaves_with_paths, path_str
+from ..parallel._context_parallel import ContextParallel
+from ..parallel._parallelism import Parallelism
+from ..parallel._placement import optimizer_specs, sharding_tree
+from ..parallel._sharding_plan import ShardingPlan
+from ..parallel.mesh import DATA, make_mesh
+from ..parallel.sharding import sharding_plan
+from ..train.step import LossFn
+from ._report import Layout, LoRA
+
+__all__ = ["PlannedModel", "compile_step", "plan_specs", "with_lora"]
+
+
+def next_token_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """A language model's loss on rows of `seq_len + 1` ids: each next token, from the rest."""
+    del key
+    ids = batch["input_ids"]
+    logits = jax.vmap(model)(ids[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), ids[:, 1:]
+    ).mean()
+
+
+def whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """`next_token_loss` with the model run on rows of exactly `seq_len` ids, as context
+    parallelism splits them; the last position predicts nothing."""
+    del key
+    ids = batch["input_ids"]
+    logits = jax.vmap(model)(ids)[:, :-1]
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), ids[:, 1:]
+    ).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedModel:
+    """A model as `memory_plan` sees it: how to build it, its loss, and its limits.
+
+    Attributes:
+        name: how the report names it.
+        build: `remat policy -> (key -> model)`; a factory that decides its own
+            remat ignores the policy (`remats=False`).
+        loss_fn: the train step's loss on `{"input_ids": int32 (rows, seq_len + 1)}`.
+        whole_rows_loss: the loss on rows of exactly `seq_len` ids, as context
+            parallelism gives them (`rc.models.lm_loss` does so).
+        example_call: what the sharding rules trace (`model -> output`); default
+            `loss_fn` on a row of 8 ids.
+        heads: attention heads, which the model axis must divide; None if unknown.
+        positions: the longest sequence the model takes; None if unlimited.
+        no_context_parallel: why context parallelism cannot split this model (an
+            encoder-decoder's masks), or None.
+        remats: `build` honours the remat policy, so a search may try them.
+    """
+
+    name: str
+    build: Callable[[str], Callable[[PRNGKeyArray], Any]]
+    loss_fn: LossFn = next_token_loss
+    whole_rows_loss: LossFn = whole_rows_loss
+    example_call: Callable[[Any], Any] | None = None
+    heads: int | None = None
+    positions: int | None = None
+    no_context_parallel: str | None = None
+    remats: bool = True
+
+    @classmethod
+    def of_factory(cls, make: Callable[[PRNGKeyArray], Any]) -> PlannedModel:
+        """A factory `key -> causal LM` (token ids in, logits out), planned as it is."""
+        return cls("model", lambda _remat: make, remats=False)
+
+    def factory(self, remat: str, lora: LoRA | None) -> Callable[[PRNGKeyArray], Any]:
+        """`key -> model` under `remat`, with the adapters of `lora`."""
+        make = self.build(remat)
+        return make if lora is None else with_lora(make, lora)
+
+    def trace(self, model: Any) -> Any:
+        """The call the sharding rules trace."""
+        if self.example_call is not None:
+            return self.example_call(model)
+        ids = jnp.zeros((1, 9), jnp.int32)
+        return self.loss_fn(model, {"input_ids": ids}, jax.random.key(0))
+
+
+def _not_head(path: str, linear: Any) -> bool:
+    del linear
+    return path.split(".")[-1] != "lm_head"
+
+
+def with_lora(make: Callable[[PRNGKeyArray], Any], lora: LoRA) -> Callable[[PRNGKeyArray], Any]:
+    """`make` with `rc.lora.apply` on its model; works under `eqx.filter_eval_shape`."""
+    from ..lora._layers import apply
+
+    def made(key: PRNGKeyArray) -> Any:
+        model_key, lora_key = jax.random.split(key)
+        targets = _not_head if lora.targets is None else list(lora.targets)
+        return apply(make(model_key), targets, rank=lora.rank, key=lora_key)
+
+    return made
+
+
+def _lora_arrays(
+    abstract: PyTree, params: PyTree, lora: LoRA | None
+) -> tuple[PyTree, PyTree, PyTree | None]:
+    """For the arrays `params` of the model `abstract`: (`params` with frozen leaves in
+    `lora.frozen_dtype`, the trainable ones, the step's trainable mask or `None`)."""
+    if lora is None:
+        return params, params, None
+    from ..lora._layers import trainable
+
+    mask = trainable(abstract)
+    on_params = jax.tree.map(
+        lambda m, x: m if isinstance(x, jax.ShapeDtypeStruct) else None, mask, abstract
+    )
+
+    def store(x: Any, trains: bool) -> Any:
+        if trains or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, jnp.dtype(lora.frozen_dtype), sharding=x.sharding)
+
+    return jax.tree.map(store, params, on_params), eqx.filter(params, on_params), mask
+
+
+def _abstract(tree: PyTree, shardings: PyTree, dtype: Any = None) -> PyTree:
+    def one(leaf: Any, sharding: Any) -> Any:
+        d = leaf.dtype if dtype is None or not jnp.issubdtype(leaf.dtype, jnp.floating) else dtype
+        return jax.ShapeDtypeStruct(leaf.shape, d, sharding=sharding)
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _local_bytes(tree: PyTree) -> int:
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def plan_specs(abstract: Any, layout: Layout, model: PlannedModel) -> ShardingPlan:
+    n_data = layout.devices // layout.n_model_shards
+    return sharding_plan(
+        abstract,
+        layout.n_model_shards,
+        example_call=model.trace,
+        fsdp=n_data if layout.fsdp else 1,
+    )
+
+
+def _placed_params(
+    model: PlannedModel,
+    key: PRNGKeyArray,
+    layout: Layout,
+    mesh: Mesh,
+    lora: LoRA | None,
+) -> tuple[PyTree, PyTree, PyTree, PyTree | None]:
+    """The model's arrays, abstract and placed by the sharding plan: (the arrays in the
+    dtypes they are stored in, the rest of the model, the trainable arrays, the step's
+    trainable mask or `None`)."""
+    abstract = eqx.filter_eval_shape(model.factory(layout.remat, lora), key)
+    specs = plan_specs(abstract, layout, model).specs
+    shardings = sharding_tree(abstract, mesh, specs)
+    arrays, static = eqx.partition(abstract, _is_abstract)
+    master = jnp.bfloat16 if layout.precision == "pure-bf16" else None
+    placed = eqx.combine(_abstract(arrays, shardings, master), static)
+    params, static = eqx.partition(placed, _is_abstract)
+    params, trained, mask = _lora_arrays(placed, params, lora)
+    return params, static, trained, mask
+
+
+def _placed_opt_state(
+    optimizer: optax.GradientTransformation, trained: PyTree, params: PyTree, mesh: Mesh
+) -> PyTree:
+    """The optimizer state of `trained`, abstract, each moment split as its parameter."""
+    state = jax.eval_shape(optimizer.init, trained)
+    flat_params = leaves_with_paths(params)
+    flat_state, state_def = jax.tree_util.tree_flatten_with_path(state)
+    state_specs = optimizer_specs(
+        [(path_str(p), x) for p, x in flat_state],
+        flat_params,
+        {k: x.sharding.spec for k, x in flat_params},
+    )
+    return jax.tree_util.tree_unflatten(
+        state_def,
+        [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, state_specs[k]))
+            for k, x in ((path_str(p), x) for p, x in flat_state)
+        ],
+    )
+
+
+def compile_step(
+    model: PlannedModel, layout: Layout, lora: LoRA | None = None
+) -> tuple[int, int, int, int, int, int, float]:
+    """(n_params, params, opt_state, gradients, temporaries, peak, seconds) per device."""
+    from ..train.step import train_step
+
+    devices = jax.devices()[: layout.devices]
+    mesh = make_mesh(layout.n_model_shards, devices=devices)
+    n_data = layout.devices // layout.n_model_shards
+    key = jax.random.key(0)
+    params, static, trained, mask = _placed_params(model, key, layout, mesh, lora)
+    optimizer = optax.adamw(1e-4)
+    state = _placed_opt_state(optimizer, trained, params, mesh)
+    options: dict[str, Any] = {}
+    if layout.context_parallel:
+        # Whole rows on every device, as `fit` gives them, split inside the step; the
+        # model reads `seq_len` tokens either way.
+        rows, tokens, spec = layout.per_device_batch_size, layout.seq_len, P()
+        options["context_parallel"] = ContextParallel(mesh)
+        loss = model.whole_rows_loss
+    else:
+        rows, tokens, spec = layout.per_device_batch_size * n_data, layout.seq_len + 1, P(DATA)
+        loss = model.loss_fn
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct(
+            (rows, tokens), jnp.int32, sharding=NamedSharding(mesh, spec)
+        )
+    }
+    if layout.precision != "fp32":
+        options["precision"] = layout.precision
+    if mask is not None:
+        options["trainable"] = mask
+    # The step reads how the abstract model is split (FSDP, sequence parallelism) from
+    # the arrays' shardings, as it reads it from real ones when it is jitted itself.
+    parallelism = Parallelism.of(
+        eqx.combine(params, static),
+        sequence_parallel=layout.sequence_parallel,
+        context_parallel=options.pop("context_parallel", False),
+    )
+    step = train_step(loss, optimizer, mesh=mesh, jit=False, parallelism=parallelism, **options)
+
+    def run(p: Any, s: Any, b: Any, k: Any) -> Any:
+        model, s, metrics = step(eqx.combine(p, static), s, b, k)
+        return eqx.filter(model, eqx.is_array), s, metrics
+
+    key_shape = jax.eval_shape(lambda: key)
+    start = time.perf_counter()
+    lowered = jax.jit(run, donate_argnums=(0, 1)).lower(params, state, batch, key_shape)
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(f"XLA gave no memory analysis for {jax.default_backend()}.")
+    param_bytes = _local_bytes(params)
+    state_bytes = _local_bytes(state)
+    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+    grads = _local_bytes(trained)  # one gradient per trainable parameter, in its dtype
+    temp = int(stats.temp_size_in_bytes)
+    outputs = int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes)
+    peak = int(stats.argument_size_in_bytes) + temp + max(outputs, 0)
+    return n_params, param_bytes, state_bytes, grads, temp, peak, seconds

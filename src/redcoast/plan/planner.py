@@ -1,0 +1,383 @@
+"""Will it fit? The real train step, compiled on abstract shapes, measured by XLA.
+
+`memory_plan` builds a model's AdamW train step exactly as `fit` runs it -- the
+sharding plan (tensor parallelism, FSDP), the precision and remat policies, the
+global batch split over the data axis -- on `jax.ShapeDtypeStruct`s, so nothing
+is allocated, compiles it for the requested devices, and reads per-device bytes
+from `compiled.memory_analysis()`. A model is planned as a `PlannedModel`: how to
+build it, its loss, and its limits; `rc.memory_plan` (in `redcoast.models.planning`)
+makes one from a zoo preset or config, and a factory of any model is planned as a
+language model. Parameters and optimizer state come from the
+shardings (exact); gradients are one copy of the parameters in the master dtype;
+temporaries (gradients, activations, workspace) and the peak come from XLA.
+
+Here are the search over layouts and the largest batch; the step itself is built
+and compiled in `_step.py`, and what is reported (`MemoryPlan`, `Layout`)
+is in `_report.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import PRNGKeyArray
+
+from ..parallel._sharding_plan import ShardingPlan
+from ._report import PRECISIONS as PRECISIONS
+from ._report import REMATS as REMATS
+from ._report import Layout as Layout
+from ._report import LoRA as LoRA
+from ._report import MemoryPlan as MemoryPlan
+from ._report import fmt_bytes as fmt_bytes
+from ._report import parse_bytes as parse_bytes
+from ._step import PlannedModel as PlannedModel
+from ._step import compile_step, plan_specs
+from ._step import next_token_loss as next_token_loss
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+_DTYPES |= {"fp16": "float16", "float16": "float16"}
+
+
+def _lora_settings(
+    rank: int, targets: str | tuple[str, ...] | list[str] | None, frozen_dtype: Any
+) -> LoRA | None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"lora_rank must be an int >= 0 (0: no LoRA), got {rank!r}.")
+    if rank == 0:
+        if targets is not None or frozen_dtype is not None:
+            raise ValueError("lora_targets and frozen_dtype need lora_rank > 0.")
+        return None
+    if isinstance(targets, str):
+        targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    if frozen_dtype is None or isinstance(frozen_dtype, str):
+        name = _DTYPES.get((frozen_dtype or "bf16").lower(), "")
+    else:
+        name = str(jnp.dtype(frozen_dtype).name)
+    if name not in _DTYPES.values():
+        raise ValueError(
+            f"frozen_dtype {frozen_dtype!r}: choose bf16, fp16 or fp32 (or a jnp dtype of those)."
+        )
+    return LoRA(rank, None if targets is None else tuple(targets), name)
+
+
+def sharding_plan_of(model: PlannedModel, layout: Layout, lora: LoRA | None = None) -> ShardingPlan:
+    """The `ShardingPlan` `memory_plan` uses for `model` under `layout` (with the adapters
+    of `lora`, a `MemoryPlan.lora`)."""
+    abstract = eqx.filter_eval_shape(model.factory(layout.remat, lora), jax.random.key(0))
+    return plan_specs(abstract, layout, model)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _check_context(layout: Layout, model: PlannedModel) -> None:
+    if not layout.context_parallel:
+        return
+    n_data = layout.devices // layout.n_model_shards
+    if n_data < 2:
+        raise ValueError(
+            "context parallelism splits every sequence over the data axis, and this layout "
+            f"has 1 data shard ({layout.devices} devices, {layout.n_model_shards} model "
+            "shards); plan it with fewer model shards than devices."
+        )
+    if layout.seq_len % n_data:
+        fitting = -(-layout.seq_len // n_data) * n_data
+        raise ValueError(
+            f"context parallelism splits every sequence over the {n_data} data shards, and "
+            f"seq_len {layout.seq_len} is not a multiple of {n_data}; plan {fitting} tokens."
+        )
+    if model.no_context_parallel is not None:
+        raise ValueError(model.no_context_parallel)
+
+
+def _check_layout(layout: Layout, model: PlannedModel) -> None:
+    if layout.precision not in PRECISIONS:
+        raise ValueError(f"precision {layout.precision!r}: choose one of {PRECISIONS}.")
+    if layout.remat not in REMATS:
+        raise ValueError(f"remat {layout.remat!r}: choose one of {REMATS}.")
+    for name in ("devices", "n_model_shards", "per_device_batch_size", "seq_len"):
+        value = getattr(layout, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if layout.devices % layout.n_model_shards:
+        raise ValueError(
+            f"{layout.n_model_shards} model shards do not divide {layout.devices} devices."
+        )
+    _check_context(layout, model)
+    if layout.sequence_parallel and layout.n_model_shards < 2:
+        raise ValueError(
+            "sequence parallelism splits activations over the model axis, and this layout "
+            "has 1 model shard; plan it with n_model_shards > 1 (-n/--n-model-shards)."
+        )
+    heads = model.heads
+    if heads is not None and heads % layout.n_model_shards:
+        raise ValueError(
+            f"{layout.n_model_shards} model shards do not divide the model's {heads} attention "
+            f"heads; choose a divisor of {heads}."
+        )
+    positions = model.positions
+    if positions is not None and layout.seq_len > positions:
+        raise ValueError(
+            f"seq_len {layout.seq_len} is longer than the model's {positions} positions."
+        )
+    if jax.device_count() < layout.devices:
+        raise ValueError(
+            f"planning for {layout.devices} devices needs {layout.devices} devices to compile "
+            f"for; this process has {jax.device_count()}. Simulate them with "
+            f"rc.simulate_devices({layout.devices}) before JAX starts, or run `redcoast "
+            "plan`, which does."
+        )
+
+
+def _measure(
+    model: PlannedModel,
+    layout: Layout,
+    device_memory: int | None,
+    lora: LoRA | None = None,
+) -> MemoryPlan:
+    n_params, params, state, grads, temp, peak, seconds = compile_step(model, layout, lora)
+    n_trainable = n_params
+    if lora is not None:
+        from ..lora._layers import trainable
+
+        abstract = eqx.filter_eval_shape(model.factory(layout.remat, lora), jax.random.key(0))
+        kept = eqx.filter(abstract, trainable(abstract))
+        n_trainable = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(kept))
+    return MemoryPlan(
+        model.name,
+        n_params,
+        layout,
+        params,
+        state,
+        grads,
+        temp,
+        peak,
+        device_memory,
+        compile_seconds=seconds,
+        lora=lora,
+        n_trainable=n_trainable,
+    )
+
+
+def _max_batch(model: PlannedModel, first: MemoryPlan, budget: int) -> int | None:
+    """The largest per-device batch whose peak fits: linear in the batch, then checked."""
+    b = first.layout.per_device_batch_size
+    if first.peak > budget:
+        return None
+    second = _measure(
+        model, dataclasses.replace(first.layout, per_device_batch_size=2 * b), None, first.lora
+    )
+    slope = (second.peak - first.peak) / b
+    if slope <= 0:
+        return None
+    guess = b + int((budget - first.peak) // slope)
+    for _ in range(4):
+        if guess <= b:
+            return b
+        layout = dataclasses.replace(first.layout, per_device_batch_size=guess)
+        peak = _measure(model, layout, None, first.lora).peak
+        if peak <= budget:
+            return guess
+        guess = b + int((guess - b) * budget / peak) - 1
+    return b
+
+
+def _longest_seq(model: PlannedModel, first: MemoryPlan, budget: int) -> int | None:
+    """The longest sequence whose peak fits: doubling, then halving the gap to 128 tokens.
+
+    Stops at `limit` (the model's positions), or at 32 times the planned length.
+    """
+    if first.peak > budget:
+        return None
+    cap = model.positions or 32 * first.layout.seq_len
+
+    def fits(seq: int) -> bool:
+        layout = dataclasses.replace(first.layout, seq_len=seq)
+        return _measure(model, layout, None, first.lora).peak <= budget
+
+    fit, fail = first.layout.seq_len, None
+    while fail is None and fit < cap:
+        trial = min(2 * fit, cap)
+        fit, fail = (trial, None) if fits(trial) else (fit, trial)
+    while fail is not None and fail - fit > 128:
+        mid = fit + (fail - fit) // 2 // 128 * 128
+        if mid == fit:
+            break
+        fit, fail = (mid, fail) if fits(mid) else (fit, mid)
+    return fit
+
+
+def _candidates(layout: Layout, model: PlannedModel) -> Iterator[Layout]:
+    """Layouts cheapest first: no remat before attention's before dots before full;
+    within each, layouts without sequence parallelism before those with it; fewer
+    model shards first (tensor parallelism moves activations in every layer); without
+    FSDP before with. Asked for context parallelism, every layout without it comes
+    first: it makes the step's batch `n_data` times smaller."""
+    heads = model.heads
+    shards = [
+        t
+        for t in range(1, min(layout.devices, 8) + 1)
+        if layout.devices % t == 0 and (heads is None or heads % t == 0)
+    ]
+    for cp in (False, True) if layout.context_parallel else (False,):
+        for remat in REMATS:
+            for sp in (False, True):
+                for t in shards:
+                    for split in (False, True):
+                        candidate = dataclasses.replace(
+                            layout,
+                            n_model_shards=t,
+                            fsdp=split,
+                            remat=remat,
+                            sequence_parallel=sp,
+                            context_parallel=cp,
+                        )
+                        if (t > 1 or not sp) and (not cp or _splits(candidate)):
+                            yield candidate
+
+
+def _splits(layout: Layout) -> bool:
+    """Context parallelism has a data axis to split the sequence over, evenly."""
+    n_data = layout.devices // layout.n_model_shards
+    return n_data > 1 and layout.seq_len % n_data == 0
+
+
+def _floor(n_params: int, layout: Layout, lora: LoRA | None = None) -> float:
+    """Parameters + AdamW state + gradients per device if perfectly divided (with LoRA,
+    the frozen parameters alone)."""
+    master = 2 if layout.precision == "pure-bf16" else 4
+    if lora is not None:
+        master = jnp.dtype(lora.frozen_dtype).itemsize / 4
+    ways = layout.devices if layout.fsdp else layout.n_model_shards
+    return n_params * (4 * master) / ways
+
+
+def memory_plan(
+    model: PlannedModel | Callable[[PRNGKeyArray], Any],
+    *,
+    devices: int,
+    n_model_shards: int = 1,
+    fsdp: bool = False,
+    seq_len: int = 1024,
+    per_device_batch_size: int = 1,
+    precision: str = "fp32",
+    remat: str = "none",
+    sequence_parallel: bool = False,
+    context_parallel: bool = False,
+    device_memory: int | str | None = None,
+    search: bool = False,
+    max_batch: bool = True,
+    longest_seq: bool = False,
+    lora_rank: int = 0,
+    lora_targets: str | list[str] | tuple[str, ...] | None = None,
+    frozen_dtype: Any = None,
+) -> MemoryPlan:
+    """Compile the AdamW train step for `devices` devices on abstract shapes and measure it.
+
+    Args:
+        model: a `PlannedModel`, or a factory `key -> causal LM` (one sequence of
+            token ids in, logits out; it then decides its own remat). `rc.memory_plan`
+            also takes a zoo preset name (`"llama-7b"`), a `config.json` path (or
+            its folder) or a zoo config (`redcoast.models.planning`).
+        devices: how many devices; this process must have that many (simulate them
+            on a CPU with `jax_num_cpu_devices`; `redcoast plan` does).
+        n_model_shards: the model axis size (tensor parallelism).
+        fsdp: split weights, gradients and optimizer state over the data axis too.
+        seq_len: tokens per sequence.
+        per_device_batch_size: sequences per data-parallel device.
+        precision: `"fp32"`, `"bf16"` or `"pure-bf16"`.
+        remat: `"none"`, `"attention"`, `"dots"` or `"full"` (zoo models; `rc.remat`).
+        sequence_parallel: split the activations between tensor-parallel regions
+            over the model axis too (`rc.SequenceParallel`); needs n_model_shards > 1.
+        context_parallel: split every sequence over the data axis instead of the
+            rows (`rc.ContextParallel`, the decoders): `per_device_batch_size` rows
+            reach every device, `1 / n_data` of each; `search` tries it after every
+            layout without it.
+        device_memory: memory per device to judge fit: a string with its unit
+            (`"32GB"`, `"40GiB"`; a bare `"40"` is refused) or an int of bytes.
+        search: find the cheapest layout that fits `device_memory` instead (see
+            `_candidates` for the order); the given layout is the first tried.
+        max_batch: with `device_memory`, also find the largest per-device batch that
+            fits (two or three more compiles).
+        longest_seq: with `device_memory`, also find the longest sequence that fits
+            at the planned batch, up to the model's positions (a compile per probe:
+            doubling, then halving the gap to 128 tokens).
+        lora_rank: above 0, plan LoRA fine-tuning: `rc.lora.apply` with this rank,
+            and a step with `trainable=rc.lora.trainable(model)`, so frozen weights
+            get no gradient and no optimizer state.
+        lora_targets: globs (or one comma-separated string) over the Linears' paths
+            to adapt; by default every Linear but the output head, i.e. each
+            block's attention and MLP projections (see `LoRA`).
+        frozen_dtype: the dtype of frozen weights with LoRA, `"bf16"` (the default),
+            `"fp16"` or `"fp32"`.
+
+    Returns:
+        A `MemoryPlan`; `str()` is a readable report, `.to_dict()` JSON.
+
+    Raises:
+        ValueError: an unknown model, or a layout that cannot work (shards that do
+            not divide the devices or the heads, too few devices, bad names); the
+            message says which and what would.
+
+    Example:
+        >>> print(rc.memory_plan("llama-7b", devices=4, n_model_shards=4, seq_len=1024,
+        ...               remat="full", device_memory="40GB"))
+    """
+    budget = None if device_memory is None else parse_bytes(device_memory)
+    lora = _lora_settings(lora_rank, lora_targets, frozen_dtype)
+    layout = Layout(devices, n_model_shards, fsdp, precision, remat, per_device_batch_size, seq_len)
+    layout = dataclasses.replace(
+        layout, sequence_parallel=sequence_parallel, context_parallel=context_parallel
+    )
+    if not isinstance(model, PlannedModel):
+        if not callable(model):
+            raise TypeError(
+                f"model must be a PlannedModel or a factory key -> model, got "
+                f"{type(model).__name__}; rc.memory_plan takes zoo presets and configs too."
+            )
+        if remat != "none" or search:
+            raise ValueError(
+                "a model factory decides its own remat; pass a preset or config to plan "
+                "remat or to search layouts."
+            )
+        model = PlannedModel.of_factory(model)
+    _check_layout(layout, model)
+    if search:
+        if budget is None:
+            raise ValueError("search needs device_memory, the budget a layout must fit in.")
+        result = _search(model, layout, budget, lora)
+    else:
+        result = _measure(model, layout, budget, lora)
+    if max_batch and budget is not None and result.fits:
+        result = dataclasses.replace(result, max_batch=_max_batch(model, result, budget))
+    if longest_seq and budget is not None and result.fits:
+        result = dataclasses.replace(result, max_seq_len=_longest_seq(model, result, budget))
+    return result
+
+
+def _search(model: PlannedModel, layout: Layout, budget: int, lora: LoRA | None) -> MemoryPlan:
+    tried: list[tuple[str, int | None]] = []
+    abstract = eqx.filter_eval_shape(model.build("none"), jax.random.key(0))
+    arrays = eqx.filter(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(arrays))
+    last: MemoryPlan | None = None
+    for candidate in _candidates(layout, model):
+        if _floor(n_params, candidate, lora) > budget:
+            tried.append((str(candidate), None))
+            continue
+        last = _measure(model, candidate, budget, lora)
+        if last.fits:
+            return dataclasses.replace(last, tried=tuple(tried))
+        tried.append((str(candidate), last.peak))
+    if last is None:
+        # Arithmetic ruled out every layout; compile the most frugal one to show by how much.
+        frugal = list(_candidates(layout, model))[-1]
+        tried.pop()
+        last = _measure(model, frugal, budget, lora)
+    return dataclasses.replace(last, tried=tuple(tried))
