@@ -39,10 +39,10 @@ from safetensors.numpy import load_file, save_file
 
 import redcoast as rc
 import redcoast.checkpoint._format as ckpt_format
-from redcoast.plan import planner
 from redcoast.checkpoint._io import CheckpointError
 from redcoast.checkpoint._io import step_checkpoint_path as step_path
 from redcoast.cli import main as cli_main
+from redcoast.plan import planner
 from redcoast.plan.planner import parse_bytes
 from redcoast.train.data import order_fingerprint
 
