@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
 from redcoast.models import Attention, rotate
-from redcoast.nn._layers import dense
+from redcoast.nn import dense
 
 RTOL, ATOL = 1e-5, 1e-6
 

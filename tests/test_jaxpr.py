@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
-from redcoast.nn._layers import dense, normalise
+from redcoast.nn import dense, normalise
 from redcoast.parallel import _jaxpr
 from redcoast.parallel._dataflow import RULES, trace_dataflow
 from redcoast.parallel._jaxpr import UnknownLayout

@@ -15,7 +15,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._tree_paths import leaves_with_paths, path_str
-from ..nn._layers import AbstractProjection, AbstractTable, dense
+from ..nn import AbstractProjection, AbstractTable, dense
 
 __all__ = [
     "LoRAEmbedding",

@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ..nn._remat import remat
+from ..nn import remat
 from ..parallel import fsdp
 
 _Layer = TypeVar("_Layer", bound=eqx.Module)

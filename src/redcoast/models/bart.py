@@ -11,8 +11,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..nn._layers import normalise, tied_logits
-from ..nn._remat import RematPolicy, check_remat
+from ..nn import RematPolicy, check_remat, normalise, tied_logits
 from ..parallel import fsdp
 from . import hf
 from ._stack import make_stack

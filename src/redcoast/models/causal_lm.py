@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
-from ..nn._layers import Norm, normalise, table_dtype, tied_logits
-from ..nn._remat import RematPolicy
+from ..nn import Norm, RematPolicy, normalise, table_dtype, tied_logits
 from ..parallel import fsdp
 from . import hf
 from ._stack import run_stack

@@ -7,8 +7,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn._layers import Norm
-from ..nn._remat import RematPolicy, check_remat
+from ..nn import Norm, RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks

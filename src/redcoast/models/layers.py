@@ -21,7 +21,7 @@ from einops import rearrange
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
-from ..nn._layers import Norm, attention, dense, normalise
+from ..nn import Norm, attention, dense, normalise
 from .checks import check_range
 
 

@@ -24,8 +24,7 @@ from einops import rearrange
 from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ..nn._layers import Norm, attention, normalise, table_dtype
-from ..nn._remat import RematPolicy
+from ..nn import Norm, RematPolicy, attention, normalise, table_dtype
 from ..parallel import fsdp
 from . import hf
 from ._stack import Stack, run_stack

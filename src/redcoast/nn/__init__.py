@@ -9,13 +9,15 @@ may a user's own model: LoRA wraps what `dense` runs, sequence parallelism split
 it, and `attention` runs over a sequence that `rc.ContextParallel` splits.
 """
 
+from ._attention import attention as attention
 from ._layers import AbstractProjection as AbstractProjection
 from ._layers import AbstractTable as AbstractTable
 from ._layers import Norm as Norm
-from ._layers import attention as attention
 from ._layers import dense as dense
 from ._layers import normalise as normalise
 from ._layers import table_dtype as table_dtype
 from ._layers import tied_logits as tied_logits
+from ._remat import REMAT_POLICIES as REMAT_POLICIES
 from ._remat import RematPolicy as RematPolicy
+from ._remat import check_remat as check_remat
 from ._remat import remat as remat

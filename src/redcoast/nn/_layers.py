@@ -2,24 +2,20 @@
 
 import abc
 import functools
-import math
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from einops import repeat
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..parallel import _active
-from ._remat import PROJECTION, recomputed
+from ._remat import PROJECTION
 
 __all__ = [
     "AbstractProjection",
     "AbstractTable",
     "Norm",
-    "attention",
     "dense",
     "normalise",
     "table_dtype",
@@ -195,103 +191,3 @@ def normalise(norm: Norm, x: Float[Array, "*tokens features"]) -> Float[Array, "
         )
     centre = isinstance(norm, eqx.nn.LayerNorm)
     return _normalise(x, norm.weight, norm.bias, norm.eps, centre)
-
-
-def _scores_softmax_values(
-    q: Array, k: Array, v: Array, visible: Array | None, bias: Array | None, scale: float | None
-) -> Array:
-    scores = jnp.einsum("...thd,...shd->...hts", q, k)
-    # Dividing by the root when no scale is given keeps the decoders' arithmetic exactly.
-    scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
-    # Softmax in float32 whatever the weights' dtype, as every HF implementation does.
-    scores = scores.astype(jnp.float32)
-    if bias is not None:
-        scores = scores + bias.astype(jnp.float32)
-    if visible is not None:
-        scores = jnp.where(visible[..., None, :, :], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("...hts,...shd->...thd", weights, v)
-
-
-def attention(
-    q: Float[Array, "*batch seq heads head_dim"],
-    k: Float[Array, "*batch kv_seq kv_heads head_dim"],
-    v: Float[Array, "*batch kv_seq kv_heads head_dim"],
-    *,
-    causal: bool = False,
-    mask: Bool[Array, "*batch seq kv_seq"] | None = None,
-    bias: Float[Array, "*#batch heads seq kv_seq"] | None = None,
-    scale: float | None = None,
-    recompute: bool = False,
-) -> Float[Array, "*batch seq heads head_dim"]:
-    """Scaled dot-product attention, split over the sequence when a step asks for it.
-
-    `softmax(q k^T * scale + bias)` over the visible keys, times `v`, with the scores
-    and the softmax in float32 whatever the inputs' dtype (queries that see no key
-    average every value, as a softmax over equal scores does). Key/value heads fewer
-    than the query heads serve `heads // kv_heads` consecutive query heads each
-    (grouped-query attention).
-
-    Inside a step given context parallelism (`rc.ContextParallel`), causal attention
-    with no mask or bias runs as `rc.context_parallel_attention` over the split
-    sequence, so no device holds every token; anything else it cannot split is an
-    error naming what to use instead.
-
-    Args:
-        q: queries, split into heads.
-        k: keys.
-        v: values.
-        causal: each query sees its own and earlier positions (needs `seq == kv_seq`).
-        mask: which keys each query sees, `(seq, kv_seq)` (with `causal`, both apply).
-        bias: added to the scores (T5's relative positions).
-        scale: multiplies the scores; default: divides them by `sqrt(head_dim)`.
-        recompute: keep only `q`, `k` and `v` for the backward pass and compute the
-            scores again there (remat's `"attention"` policy).
-
-    Returns:
-        The attention output, shaped as `q`.
-
-    Raises:
-        ValueError: heads that do not group, `causal` with `seq != kv_seq`, or, under
-            context parallelism, a mask or bias (which it cannot split).
-
-    Example:
-        >>> q = k = v = jnp.ones((10, 4, 8))   # (seq, heads, head_dim)
-        >>> attention(q, k, v, causal=True).shape
-        (10, 4, 8)
-    """
-    heads, kv_heads = q.shape[-2], k.shape[-2]
-    if heads % kv_heads:
-        raise ValueError(
-            f"attention: {heads} query heads cannot share {kv_heads} key/value heads; the "
-            "query heads must be a multiple of the key/value heads."
-        )
-    seq, kv_seq = q.shape[-3], k.shape[-3]
-    if causal and seq != kv_seq:
-        raise ValueError(
-            f"attention: causal=True needs as many keys as queries; got {seq} queries and "
-            f"{kv_seq} keys. Pass a mask for attention to a cache."
-        )
-    active = _active.current()
-    if active is not None:
-        active.attention_calls += 1
-        if active.context is not None:
-            if mask is not None or bias is not None or not causal:
-                raise ValueError(
-                    "context parallelism splits causal attention within one sequence; this "
-                    "attention takes a (query, key) mask or bias (an encoder-decoder's "
-                    "padding, relative positions, or attention to another sequence), which "
-                    "it cannot split. Train such a model with sequence_parallel=True over "
-                    "the model axis instead."
-                )
-            return active.context.attend(q, k, v)
-    if heads != kv_heads:
-        group = heads // kv_heads
-        k = repeat(k, "... s h d -> ... s (h g) d", g=group)
-        v = repeat(v, "... s h d -> ... s (h g) d", g=group)
-    visible = mask
-    if causal:
-        tril = jnp.tril(jnp.ones((seq, kv_seq), dtype=bool))
-        visible = tril if visible is None else visible & tril
-    fn = functools.partial(_scores_softmax_values, scale=scale)
-    return recomputed(fn, recompute)(q, k, v, visible, bias)

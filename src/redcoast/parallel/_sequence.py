@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from .._tree_paths import path_str
-from ..nn._layers import AbstractProjection, dense
+from ..nn import AbstractProjection, dense
 from . import fsdp
 from .mesh import MODEL, mesh_shape
 
