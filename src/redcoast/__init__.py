@@ -10,6 +10,7 @@ from . import distributed as distributed
 from . import fsdp as fsdp
 from . import lora as lora
 from . import models as models
+from . import preference as preference
 from . import text as text
 from ._context import context_parallel_attention as context_parallel_attention
 from ._context_parallel import ContextParallel as ContextParallel
