@@ -15,7 +15,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._tree_paths import leaves_with_paths, path_str
-from .models.layers import AbstractProjection, AbstractTable, dense, tied_logits
+from .models.layers import AbstractProjection, AbstractTable, dense
 
 __all__ = [
     "LoRAEmbedding",
@@ -419,7 +419,7 @@ class _BaseTable(AbstractTable):
         return self.base(x)
 
     def logits(self, h: Float[Array, "*tokens features"]) -> Float[Array, "*tokens vocab"]:
-        return tied_logits(self.base, h)
+        return h @ self.base.weight.T
 
 
 def disabled(model: PyTree) -> PyTree:

@@ -52,12 +52,12 @@ from typing import Any, Literal, overload
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.experimental import multihost_utils
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from . import lora
 from .evaluate import predict
-from .models.loss import next_token_logps, next_token_weight
 from .text import collate
 
 __all__ = [
@@ -71,6 +71,21 @@ __all__ = [
 
 Model = Callable[[Int[Array, " seq"]], Float[Array, "seq vocab"]]
 Metrics = dict[str, Float[Array, ""]]
+
+
+def _next_token_logps(model: Model, ids: Int[Array, "rows seq"]) -> Float[Array, "rows seq"]:
+    """The log-probability of token `t + 1` at position `t` (the last position's is
+    meaningless, and never counted), as `rc.models.next_token_nll` scores it; here
+    because the framework imports no model code."""
+    logits = jax.vmap(model)(ids)
+    target = jnp.roll(ids, -1, axis=1)
+    return -optax.softmax_cross_entropy_with_integer_labels(logits, target).astype(jnp.float32)
+
+
+def _next_token_weight(mask: Bool[Array, "rows seq"]) -> Float[Array, "rows seq"]:
+    """1 where the next token is one `mask` counts (a row's first token never is)."""
+    has_next = jnp.arange(mask.shape[1]) < mask.shape[1] - 1
+    return (jnp.roll(mask.astype(bool), -1, axis=1) & has_next).astype(jnp.float32)
 
 
 def _answers(
@@ -91,8 +106,7 @@ def _answers(
             f"'rejected_mask'; it lacks {err.args[0]!r} (it has {sorted(batch)}). Make rows "
             "with rc.text.paired and batch them with rc.text.collate."
         ) from None
-    logps = next_token_logps(model, ids).astype(jnp.float32)
-    return logps, next_token_weight(mask), ids
+    return _next_token_logps(model, ids), _next_token_weight(mask), ids
 
 
 def _halves(x: Array) -> tuple[Array, Array]:
@@ -256,7 +270,7 @@ def dpo_loss(
     logps, weight, ids = _answers(model, batch)
     chosen, rejected = _halves((logps * weight).sum(-1))
     if reference == "lora":  # the same rows through the base model, without gradient
-        ref_logps = jax.lax.stop_gradient(next_token_logps(ref, ids).astype(jnp.float32))
+        ref_logps = jax.lax.stop_gradient(_next_token_logps(ref, ids))
         ref = _halves((ref_logps * weight).sum(-1))
     ref_chosen, ref_rejected = ref
     ratio_c, ratio_r = chosen - ref_chosen, rejected - ref_rejected
@@ -384,7 +398,7 @@ def orpo_loss(
     # Every token up to the answer's last: the prompt and the answer, not the padding.
     mask = jnp.concatenate([jnp.asarray(batch["chosen_mask"]), jnp.asarray(batch["rejected_mask"])])
     upto = jnp.flip(jnp.cumsum(jnp.flip(mask.astype(jnp.int32), -1), -1), -1) > 0
-    nll = _chosen_nll(logps, next_token_weight(upto))
+    nll = _chosen_nll(logps, _next_token_weight(upto))
     metrics = _metrics(beta * avg_c, beta * avg_r, avg_c, avg_r)
     metrics |= jax.lax.stop_gradient(
         {"nll_loss": nll, "log_odds_ratio": ratio.mean(), "log_odds_chosen": log_odds.mean()}

@@ -31,9 +31,7 @@ from .layers import rotate as rotate
 from .llama import Llama as Llama
 from .llama import LlamaConfig as LlamaConfig
 from .loss import lm_loss as lm_loss
-from .loss import next_token_logps as next_token_logps
 from .loss import next_token_nll as next_token_nll
-from .loss import next_token_weight as next_token_weight
 from .opt import OPT as OPT
 from .opt import OPTConfig as OPTConfig
 from .presets import PRESETS as PRESETS

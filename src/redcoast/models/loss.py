@@ -40,51 +40,15 @@ def next_token_nll(
         >>> nll, n = next_token_nll(model, batch["input_ids"], batch["loss_mask"])
     """
     ids = jnp.asarray(input_ids)
-    logps = next_token_logps(model, ids)
-    counted = jnp.ones(ids.shape, bool) if loss_mask is None else jnp.asarray(loss_mask, bool)
-    weight = next_token_weight(counted)
-    return jnp.where(weight > 0, -logps, 0.0).sum(-1), weight.sum(-1)
-
-
-def next_token_logps(
-    model: Callable[[Int[Array, " seq"]], Float[Array, "seq vocab"]],
-    input_ids: Int[ArrayLike, "batch seq"],
-) -> Float[Array, "batch seq"]:
-    """The log-probability the model gives each next token: position `t` scores token `t + 1`.
-
-    Args:
-        model: as for `next_token_nll`.
-        input_ids: the rows.
-
-    Returns:
-        `(batch, seq)` float32; the last position, which has no next token, holds the
-        score of the row's first token and is meant to be masked (`next_token_weight`).
-
-    Example:
-        >>> logps = next_token_logps(model, batch["input_ids"])
-        >>> answer = (logps * next_token_weight(batch["loss_mask"])).sum(-1)
-    """
-    ids = jnp.asarray(input_ids)
     # The model reads whole rows, a length that splits evenly over devices (context
     # parallelism) and is the one the rows were made with; position t is scored on
     # token t + 1, and the last position, which has no next token, counts for nothing.
     logits = jax.vmap(model)(ids)
-    return -optax.softmax_cross_entropy_with_integer_labels(logits, jnp.roll(ids, -1, axis=1))
-
-
-def next_token_weight(loss_mask: Bool[ArrayLike, "batch seq"]) -> Float[Array, "batch seq"]:
-    """Which positions of `next_token_logps` count: those whose next token `loss_mask` marks.
-
-    Args:
-        loss_mask: the tokens that count as targets (a row's first token never can).
-
-    Returns:
-        `(batch, seq)` float32 of 0 and 1: `loss_mask` shifted left by one, the last
-        position 0.
-    """
-    counted = jnp.asarray(loss_mask, bool)
-    has_next = jnp.arange(counted.shape[1]) < counted.shape[1] - 1
-    return (jnp.roll(counted, -1, axis=1) & has_next).astype(jnp.float32)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.roll(ids, -1, axis=1))
+    counted = jnp.ones(ids.shape, bool) if loss_mask is None else jnp.asarray(loss_mask, bool)
+    has_next = jnp.arange(ids.shape[1]) < ids.shape[1] - 1
+    weight = (jnp.roll(counted, -1, axis=1) & has_next).astype(jnp.float32)
+    return jnp.where(weight > 0, nll, 0.0).sum(-1), weight.sum(-1)
 
 
 def lm_loss(
