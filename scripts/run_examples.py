@@ -4,8 +4,9 @@ Each example runs in its own process with its default options (8 simulated CPU
 devices), so the wall time includes start-up and compilation. The table of results
 (example, lines of code, metric reached, wall time) is printed and written to
 examples/RESULTS.md; the exit status is 1 if any example misses its bar. A row of
-VARIANTS runs an example with other options (finetune_lora: LoRA adapters only),
-measured against the example's own row, which runs with it.
+VARIANTS runs an example with other options (finetune_lora: LoRA adapters only,
+measured against the example's own row, which runs with it; preference_simpo: SimPO
+in place of DPO).
 
 Run: python scripts/run_examples.py [EXAMPLE ...]   (or `nox -s examples`)
 """
@@ -37,6 +38,8 @@ BARS = {
     "language_modeling": ("below_unigram", "min", 0.30, 300.0),
     "maml": ("mse_after_1_step", "max", 0.30, None),
     "ppo": ("mean_return", "min", 450.0, None),
+    "preference": ("accuracy_after", "min", 0.85, None),
+    "preference_simpo": ("accuracy_after", "min", 0.8, None),
     "seq2seq": ("rougeL", "min", 0.90, 300.0),
 }
 
@@ -45,13 +48,19 @@ VARIANTS = {
     "finetune_lora": (
         "finetune",
         ["--lora-table-rank", "2", "--learning-rate", "1e-2"],
-    )
+    ),
+    "preference_simpo": ("preference", ["--loss", "simpo"]),
 }
 # Bars of a variant measured against its example's row (both run together), and other
 # bars: finetune_lora's held-out log-perplexity gain, log(before / after), is at least
 # 0.9 x full fine-tuning's on the same data, and its AdamW state at most 2% of it.
+# The preference rows' chosen answers lose at most 0.25 nats a token of held-out likelihood.
 AGAINST = {"finetune_lora": "finetune"}
-ALSO = {"finetune_lora": [("opt_state", "max", 0.02)]}
+ALSO = {
+    "finetune_lora": [("opt_state", "max", 0.02)],
+    "preference": [("chosen_logp_change", "min", -0.25)],
+    "preference_simpo": [("chosen_logp_change", "min", -0.25)],
+}
 
 
 def _gain(metrics: dict) -> float | None:

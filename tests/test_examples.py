@@ -88,7 +88,7 @@ def test_a_second_demo_is_a_fresh_run(tmp_path, monkeypatch):
 def test_every_example_has_a_smoke_test():
     listing = CliRunner().invoke(main, ["run", "--help"]).output
     names = listing.split("Examples:")[1].split()
-    assert set(SMOKE) | {"language_modeling", "finetune"} <= set(names)
+    assert set(SMOKE) | {"language_modeling", "finetune", "preference"} <= set(names)
 
 
 @pytest.mark.slow
@@ -128,3 +128,26 @@ def test_finetune_hands_back_a_folder_transformers_generates_from(data, lora_ran
     theirs = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
     ours = rc.models.generate(rc.models.from_hf(out), ids.numpy(), max_new_tokens=8)
     np.testing.assert_array_equal(np.asarray(ours[0]), theirs.numpy())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["dpo", "simpo"])
+def test_preference_tunes_a_checkpoint_on_docstring_pairs(loss, tmp_path):
+    base = tiny_gpt2(tmp_path / "base", positions=192)
+    metrics = tmp_path / "metrics.json"
+    args = ["run", "preference", "--model", str(base), "--loss", loss, "--seq-len", "192"]
+    args += ["--max-steps", "2", "--eval-pairs", "16", "--per-device-batch-size", "1"]
+    args += ["--output", str(tmp_path / "out"), "--metrics-json", str(metrics)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "held-out reward accuracy" in result.output
+    found = json.loads(metrics.read_text())
+    assert set(found) == {
+        "accuracy_before",
+        "accuracy_after",
+        "chosen_logp_before",
+        "chosen_logp_after",
+        "chosen_logp_change",
+    }
+    if loss == "dpo":  # the adapters start at zero: the model is its own reference
+        assert found["accuracy_before"] == 0.5

@@ -2,13 +2,15 @@
 
 The Python blocks run in order in one namespace, as one session reading the README
 would type them, in a folder that holds what they name: `checkpoints/gpt2` (a tiny
-GPT-2 with its tokenizer) and `corpus/` (text files). The `console` block's command
-runs and prints the lines shown. Every `redcoast` line of the `bash` blocks runs,
-except `redcoast launch`, which starts a script of the reader's (`nox -s multihost`
-runs it on real ones); the environment variables the many-hosts block sets are
-the ones redcoast reads. The Quickstart's two lines are what CI itself runs.
+GPT-2 with its tokenizer), `corpus/` (text files) and `pairs.jsonl` (preference pairs).
+The `console` block's command runs and prints the lines shown. Every `redcoast` line
+of the `bash` blocks runs, except `redcoast launch`, which starts a script of the
+reader's (`nox -s multihost` runs it on real ones); the environment variables the
+many-hosts block sets are the ones redcoast reads. The Quickstart's two lines are what
+CI itself runs.
 """
 
+import json
 import os
 import re
 import shlex
@@ -41,6 +43,10 @@ def test_every_python_block_runs_in_order(tmp_path, monkeypatch):
     corpus.mkdir()
     for i, key in enumerate(sorted(topics)[:400]):
         (corpus / f"{i:03d}.txt").write_text(topics[key])
+    pairs = [
+        {"prompt": f"{i} + {i} =", "chosen": f" {2 * i}", "rejected": f" {i}"} for i in range(32)
+    ]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "readme"}
     for i, block in enumerate(_blocks("python")):

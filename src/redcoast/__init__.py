@@ -33,6 +33,7 @@ from .parallel.sharding import sharding_report as sharding_report
 from .parallel.sharding import sharding_rules as sharding_rules
 from .plan.planner import MemoryPlan as MemoryPlan
 from .plan.planner import PlannedModel as PlannedModel
+from .train import preference as preference
 from .train.data import Batch as Batch
 from .train.data import batches as batches
 from .train.data import global_batch_size as global_batch_size

@@ -8,7 +8,8 @@ in a step: the update costs two thin matmuls. An `eqx.nn.Embedding` named in the
 targets (the zoo's `"embed_tokens"`) becomes a `LoRAEmbedding`, rows of
 `W + (alpha / rank) A B`, which a head tied to the table sees too. `trainable` is
 the filter that selects the adapters (pass it as `fit(..., trainable=...)`), and
-`merge` folds them into plain Linears and tables again.
+`merge` folds them into plain Linears and tables again; `disabled` switches them off
+(the base model, from the same arrays: preference tuning's reference).
 
 LoRA knows nothing of sharding: the sharding rules see `lora_a` and `lora_b` as
 Linears in the dataflow, and place them with their base (see `rc.sharding_plan`).
@@ -27,6 +28,7 @@ from ._layers import LoRAEmbedding as LoRAEmbedding
 from ._layers import LoRALinear as LoRALinear
 from ._layers import Targets as Targets
 from ._layers import apply as apply
+from ._layers import disabled as disabled
 from ._layers import merge as merge
 from ._layers import trainable as trainable
 from ._peft import load_peft as load_peft

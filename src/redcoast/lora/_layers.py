@@ -25,6 +25,7 @@ __all__ = [
     "adapters_record",
     "apply",
     "check_alpha",
+    "disabled",
     "lora_layers",
     "merge",
     "trainable",
@@ -386,6 +387,73 @@ def merge(model: PyTree) -> PyTree:
         return eqx.tree_at(lambda m: m.weight, x.base, merged)
 
     return jax.tree_util.tree_unflatten(treedef, [fold(x) for x in leaves])
+
+
+class _BaseLinear(AbstractProjection):
+    """An adapter switched off: its frozen Linear alone, as the model had it before `apply`.
+
+    The Linear stays under the adapter's `base` field, so a weight keeps its path
+    (`q_proj.base.weight`): the sharding rules and an FSDP layout recorded on the
+    model find it there, and the reference pass gathers it as the trained pass does.
+    """
+
+    base: eqx.nn.Linear
+
+    def __call__(
+        self, x: Float[Array, " in_features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " out_features"]:
+        return self.base(x)
+
+    def over_tokens(self, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
+        return dense(self.base, x)
+
+
+class _BaseTable(AbstractTable):
+    """A table adapter switched off: the frozen table alone (and the head tied to it)."""
+
+    base: eqx.nn.Embedding
+
+    def __call__(
+        self, x: Int[Array, ""], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " features"]:
+        return self.base(x)
+
+    def logits(self, h: Float[Array, "*tokens features"]) -> Float[Array, "*tokens vocab"]:
+        return h @ self.base.weight.T
+
+
+def disabled(model: PyTree) -> PyTree:
+    """The model with its LoRA adapters switched off: the base model, from the same arrays.
+
+    Each `LoRALinear` computes its frozen Linear alone and each `LoRAEmbedding` its
+    frozen table alone, exactly as before `apply`; no weight is copied (the result
+    holds the very arrays of `model`), so it serves as the reference model of
+    preference tuning inside the same step (`rc.preference.dpo_loss`). Wrap its
+    outputs in `jax.lax.stop_gradient` there: no gradient is meant to reach it.
+
+    Args:
+        model: a model with `LoRALinear` or `LoRAEmbedding` layers.
+
+    Returns:
+        The same model, each adapter replaced by a module computing its base only
+        (which keeps the base weight's path, so its sharding and FSDP layout hold).
+
+    Raises:
+        ValueError: the model has no LoRA layers.
+
+    Example:
+        >>> ref_logits = jax.lax.stop_gradient(jax.vmap(rc.lora.disabled(model))(ids))
+    """
+    leaves, treedef = _lora_layers(model, "disabled")
+    off = [
+        _BaseLinear(x.base)
+        if isinstance(x, LoRALinear)
+        else _BaseTable(x.base)
+        if isinstance(x, LoRAEmbedding)
+        else x
+        for x in leaves
+    ]
+    return jax.tree_util.tree_unflatten(treedef, off)
 
 
 def adapted_paths(model: PyTree) -> list[str]:

@@ -7,7 +7,9 @@ each document starts; `origins.bin`, the file and line each came from;
 `meta.json`, the tokenizer's fingerprint, dtype, counts, the sources'
 fingerprints and the small files' checksums). `tokenize_instructions` does the
 same for prompt/completion or chat records, adding `mask.bin`: which tokens the
-loss counts.
+loss counts; `tokenize_preferences` does it for preference pairs (a prompt with a
+chosen and a rejected answer), two such documents per pair, which `paired` reads
+back as one row (`chosen_ids`, `chosen_mask`, `rejected_ids`, `rejected_mask`).
 
 A folder is built under a temporary name and renamed into place when complete,
 so an interrupted run never leaves one that looks finished. A later call reuses
@@ -36,6 +38,9 @@ token stream cut into blocks of `seq_len`, the remainder dropped).
 """
 
 from ._instructions import tokenize_instructions as tokenize_instructions
+from ._preference import PairedRows as PairedRows
+from ._preference import paired as paired
+from ._preference import tokenize_preferences as tokenize_preferences
 from ._rows import PackedRows as PackedRows
 from ._rows import PaddedRows as PaddedRows
 from ._rows import collate as collate

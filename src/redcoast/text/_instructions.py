@@ -24,7 +24,7 @@ from ._token_file import TokenFile
 from ._tokenizer import Tokenizer, load_tokenizer
 
 
-def _records(
+def read_records(
     source: Any, text_errors: str, output: Path
 ) -> tuple[list[Path] | None, Callable[[list[list[Any]]], Iterator[Any]]]:
     """The files `source` names (None for records given directly), and a reader of its
@@ -53,7 +53,7 @@ def _records(
     return files, read
 
 
-def _chat_ids(tok: Tokenizer, messages: Any, where: str) -> tuple[list[int], list[bool]]:
+def chat_ids(tok: Tokenizer, messages: Any, where: str) -> tuple[list[int], list[bool]]:
     """A conversation through the chat template; the loss counts the assistant's turns.
 
     Each assistant turn's tokens are found as the difference between the rendered
@@ -140,7 +140,7 @@ def tokenize_instructions(
     """
     tok = load_tokenizer(tokenizer, eos_id=eos_id)
     out = Path(path)
-    files, read = _records(source, errors, out)
+    files, read = read_records(source, errors, out)
     keys = {"prompt": prompt_key, "completion": completion_key, "messages": messages_key}
     template = getattr(tok.hf, "chat_template", None) or ""
     meta = {
@@ -161,7 +161,7 @@ def tokenize_instructions(
         bar = progress_bar(None, progress and is_lead(), "instructions")
         with bar if bar is not None else contextlib.nullcontext():
             task = None if bar is None else bar.add_task("", total=None)
-            for chunk in _batched(read(prints), 1024):
+            for chunk in batched(read(prints), 1024):
                 for ids, mask, origin in _encode_records(tok, chunk, keys):
                     writer.add(ids, origin, mask)
                 if bar is not None:
@@ -180,7 +180,7 @@ def tokenize_instructions(
     )
 
 
-def _batched(it: Iterator[Any], n: int) -> Iterator[list[Any]]:
+def batched(it: Iterator[Any], n: int) -> Iterator[list[Any]]:
     while chunk := list(itertools.islice(it, n)):
         yield chunk
 
@@ -211,7 +211,7 @@ def _encode_records(
     eos = [] if tok.eos_id is None else [tok.eos_id]
     for (record, _, _), (origin, where, at) in zip(chunk, pairs, strict=True):
         if at is None:
-            ids, mask = _chat_ids(tok, record[keys["messages"]], where)
+            ids, mask = chat_ids(tok, record[keys["messages"]], where)
         else:
             prompt, completion = prefix + encoded[at], encoded[at + 1] + eos
             if len(completion) == len(eos):
