@@ -78,6 +78,35 @@ def _check_n(n: int, name: str = "n_model_shards") -> None:
         raise ValueError(f"{name} must be >= 1, got {n}.")
 
 
+def _decisions(
+    example_call: Callable[[PyTree], Any] | None,
+    model: PyTree,
+    info: Any,
+    paths: list[str],
+    shapes: list[tuple[int, ...]],
+    n: int,
+    fixed: dict[int, tuple[str, P]],
+) -> tuple[Any, Any, dict[int, Decision], dict[int, set[int]], str, list[str]]:
+    """How each Linear and table is split: from the traced dataflow with `example_call`,
+    else in declaration order; with the stacked axes, the method and its notes."""
+    if example_call is None:
+        matmuls, emb = plan_declaration(info, paths, shapes, n)
+        method = (
+            "no example_call: Linear layers alternate in declaration order "
+            "(pass example_call to follow the dataflow)"
+        )
+        return matmuls, emb, {}, {}, method, [method]
+    matmuls, emb, tied, flow_notes, flow = plan_dataflow(
+        example_call, model, info, paths, shapes, n, fixed
+    )
+    notes = list(flow_notes)
+    unseen = [p for p in info.linear_weight if p in paths and paths.index(p) not in matmuls]
+    unseen = [p for p in unseen if paths.index(p) not in fixed]
+    if unseen:
+        notes.append(f"{len(unseen)} Linear weight(s) not reached by example_call: replicated")
+    return matmuls, emb, tied, flow.stacked, "rules traced from example_call (dataflow)", notes
+
+
 def sharding_plan(
     model: PyTree,
     n_model_shards: int,
@@ -131,28 +160,9 @@ def sharding_plan(
     shapes = [tuple(int(d) for d in leaf.shape) for _, leaf in leaves]
     info = model_info(model)
     fixed = _match_overrides(overrides or {}, paths, shapes, n)
-    notes: list[str] = []
-    tied: dict[int, Decision] = {}
-    stacked: dict[int, set[int]] = {}
-    if example_call is not None:
-        matmuls, emb, tied, flow_notes, flow = plan_dataflow(
-            example_call, model, info, paths, shapes, n, fixed
-        )
-        stacked = flow.stacked
-        notes.extend(flow_notes)
-        method = "rules traced from example_call (dataflow)"
-        unseen = [p for p in info.linear_weight if p in paths and paths.index(p) not in matmuls]
-        unseen = [p for p in unseen if paths.index(p) not in fixed]
-        if unseen:
-            notes.append(f"{len(unseen)} Linear weight(s) not reached by example_call: replicated")
-    else:
-        matmuls, emb = plan_declaration(info, paths, shapes, n)
-        method = (
-            "no example_call: Linear layers alternate in declaration order "
-            "(pass example_call to follow the dataflow)"
-        )
-        notes.append(method)
-
+    matmuls, emb, tied, stacked, method, notes = _decisions(
+        example_call, model, info, paths, shapes, n, fixed
+    )
     plans: list[LeafPlan] = []
     specs: list[P] = []
     for i, (path, leaf) in enumerate(leaves):
