@@ -35,20 +35,20 @@ placing arrays by their specs in `_placement.py` (`rc.place` is the public way i
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._tree_paths import array_leaves
 from ._model_structure import ModelInfo, model_info
 from ._placement import abstract_arrays as abstract_arrays
-from ._placement import check_spec, spec_leaves
+from ._placement import check_spec
 from ._placement import optimizer_specs as optimizer_specs
 from ._placement import sharding_tree as sharding_tree
 from ._sharding_plan import LeafPlan as LeafPlan
@@ -283,46 +283,27 @@ def sharding_rules(
     overrides: Mapping[str, P] | None = None,
     fsdp: int = 1,
 ) -> PyTree:
-    """The `PartitionSpec` tree that `sharding_plan` finds (see there for the arguments).
-
-    Returns:
-        A pytree shaped like `eqx.filter(model, eqx.is_array)` with a `PartitionSpec`
-        on every array leaf, ready for `place(model, mesh, specs=specs)`.
-
-    Example:
-        >>> specs = sharding_rules(model, 2, example_call=lambda m: jax.vmap(m)(x))
-        >>> model = place(model, make_mesh(2), specs=specs)
-    """
+    """Deprecated: `sharding_plan(...).specs`, which this returns (see there)."""
+    warnings.warn(
+        "rc.sharding_rules(...) is rc.sharding_plan(...).specs; the old name goes in the "
+        "next release.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return sharding_plan(
         model, n_model_shards, example_call=example_call, overrides=overrides, fsdp=fsdp
     ).specs
 
 
 def sharding_report(model: PyTree, specs: PyTree, *, n_model_shards: int | None = None) -> str:
-    """A table of every array's path, shape and spec, with bytes per device.
-
-    Args:
-        model: the model the specs belong to.
-        specs: a `ShardingPlan` (whose reasons are shown) or a spec tree.
-        n_model_shards: the size of the model axis, for bytes per device; read from
-            the model's shardings when omitted.
-
-    Returns:
-        The report as text.
-    """
+    """Deprecated: `str(plan)` for a `ShardingPlan`, `str(ShardingPlan.given(model, specs))`
+    for a spec tree, which this returns."""
+    warnings.warn(
+        "rc.sharding_report is str(plan), or str(rc.ShardingPlan.given(model, specs)) for "
+        "specs made elsewhere; the old name goes in the next release.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if isinstance(specs, ShardingPlan):
         return str(specs)
-    entries = spec_leaves(model, specs)
-    if n_model_shards is None:
-        n_model_shards = 1
-        for _, leaf, _ in entries:
-            sharding = getattr(leaf, "sharding", None)
-            if isinstance(sharding, NamedSharding) and MODEL in sharding.mesh.shape:
-                n_model_shards = int(sharding.mesh.shape[MODEL])
-                break
-    _check_n(n_model_shards)
-    plans = tuple(
-        LeafPlan(path, tuple(int(d) for d in leaf.shape), str(leaf.dtype), spec, "given")
-        for path, leaf, spec in entries
-    )
-    return str(ShardingPlan(specs, plans, int(n_model_shards), "given specs"))
+    return str(ShardingPlan.given(model, specs, n_model_shards=n_model_shards))
