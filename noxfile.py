@@ -65,8 +65,9 @@ def jax_matrix(session: nox.Session, jax: str) -> None:
 
 @nox.session
 def slow(session: nox.Session) -> None:
-    """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI."""
-    session.install("-e", ".[test,examples,hf]")
+    """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI,
+    and plans compiled by the TPU compiler (the `tpu` extra)."""
+    session.install("-e", ".[test,examples,hf,tpu]")
     session.run("pytest", *WORKERS, "-m", "slow and not multihost", *session.posargs, env=SIMULATED)
 
 

@@ -14,6 +14,8 @@ from collections import Counter
 import numpy as np
 from jax.sharding import Mesh
 
+from redcoast.plan._hlo import COLLECTIVES, shape_bytes
+
 __all__ = [
     "Collective",
     "collectives",
@@ -23,10 +25,9 @@ __all__ = [
     "weight_all_gathers",
 ]
 
-_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OPS = COLLECTIVES
 _INSTR = re.compile(r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"\b(pred|[sufc]\d+|bf16|f8\w*)\[([\d,]*)\]")
-_BITS = {"pred": 8, "bf16": 16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,21 +57,6 @@ class Collective:
         return [
             tuple(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(self.shape)
         ]
-
-
-def _dtype_bytes(name: str) -> float:
-    if name in _BITS:
-        return _BITS[name] / 8
-    digits = re.sub(r"\D", "", name) or "8"
-    return int(digits) / 8
-
-
-def _shape_bytes(shape: str) -> int:
-    total = 0.0
-    for dtype, dims in _ARRAY.findall(shape):
-        size = math.prod(int(d) for d in dims.split(",") if d)
-        total += size * _dtype_bytes(dtype)
-    return int(total)
 
 
 def _groups(line: str, n_devices: int) -> list[list[int]]:
@@ -147,7 +133,7 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
             Collective(
                 op=match.group("op"),
                 axis=_axis(_groups(line, n_devices), n_model),
-                nbytes=_shape_bytes(match.group("shape")),
+                nbytes=shape_bytes(match.group("shape")),
                 shape=match.group("shape"),
                 source=source.group(1) if source else "",
                 name=name.group(1) if name else "",
@@ -310,7 +296,7 @@ def scattered_all_reduces(hlo_text: str) -> dict[str, int]:
         for instr in instrs:
             if instr.op != "all-reduce":
                 continue
-            arrays = [_shape_bytes(f"{t}[{d}]") for t, d in _ARRAY.findall(instr.shape)]
+            arrays = [shape_bytes(f"{t}[{d}]") for t, d in _ARRAY.findall(instr.shape)]
             if len(arrays) == 1:
                 read = arrays if sliced(comp, instr.name) else []
             else:  # a combined all-reduce: each element through its get-tuple-element

@@ -51,7 +51,9 @@ def test_the_planners_peak_is_the_real_compiled_steps(n_model: int, use_fsdp: bo
     state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     ids = np.zeros((2 * mesh.shape["data"], 33), np.int32)
     batch = {"input_ids": jax.device_put(ids, NamedSharding(mesh, P("data")))}
-    core = rc.train_step(lm_loss, optimizer, mesh=mesh, jit=False)
+    core = rc.train_step(
+        lm_loss, optimizer, mesh=mesh, jit=False, parallelism=rc.Parallelism.of(model)
+    )
     lowered = eqx.filter_jit(core, donate="all").lower(model, state, batch, jax.random.key(0))
     stats = lowered.compile().compiled.memory_analysis()  # equinox wraps jax's Compiled
     assert stats is not None

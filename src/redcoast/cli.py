@@ -11,7 +11,8 @@ from typing import Any
 import click
 
 from . import __version__, _examples
-from .plan.planner import PRECISIONS, REMATS
+from .plan._targets import TARGETS
+from .plan.planner import PRECISIONS, PREFERENCES, REMATS
 from .train.workdir import WorkdirInUseError
 
 
@@ -187,7 +188,20 @@ def run() -> None:
 
 @main.command()
 @click.argument("model")
-@click.option("--devices", default=8, show_default=True, help="Devices of all hosts.")
+@click.option(
+    "--target",
+    type=click.Choice(list(TARGETS)),
+    default="cpu",
+    show_default=True,
+    help="The hardware: a TPU slice (compiled by the TPU compiler; needs redcoast[tpu]), "
+    "a GPU (estimated from the CPU compiler's program) or the CPU.",
+)
+@click.option(
+    "--devices",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Devices of all hosts  [default: a TPU slice's own, else 8]",
+)
 @click.option("-n", "--n-model-shards", default=1, show_default=True, help="Model-axis size.")
 @click.option("--fsdp", is_flag=True, help="Split weights over the data axis too (ZeRO-3).")
 @click.option("--seq-len", default=1024, show_default=True, help="Tokens per sequence.")
@@ -207,7 +221,8 @@ def run() -> None:
 @click.option(
     "--device-memory",
     default=None,
-    help="Memory per device with its unit: 32GB, 40GiB (a bare 40 is refused).",
+    help="Memory per device with its unit: 32GB, 40GiB (a bare 40 is refused)  "
+    "[default: the target's]",
 )
 @click.option("--search", is_flag=True, help="Find the cheapest layout that fits.")
 @click.option(
@@ -231,11 +246,19 @@ def run() -> None:
     default=None,
     help="Dtype of the frozen weights with LoRA  [default: bf16]",
 )
+@click.option(
+    "--preference",
+    type=click.Choice(PREFERENCES),
+    default=None,
+    help="Plan preference tuning: batches of chosen and rejected pairs (rc.preference); DPO's "
+    "reference is the model without its adapters under LoRA, else precomputed.",
+)
 @click.option("--specs", is_flag=True, help="Also print every weight's split and why.")
 @click.option("--json", "json_path", default=None, help="Also write the figures to this file.")
 def plan(
     model: str,
-    devices: int,
+    target: str,
+    devices: int | None,
     n_model_shards: int,
     fsdp: bool,
     seq_len: int,
@@ -250,21 +273,27 @@ def plan(
     lora_rank: int,
     lora_targets: str | None,
     frozen_dtype: str | None,
+    preference: str | None,
     specs: bool,
     json_path: str | None,
 ) -> None:
     """Will MODEL train on this hardware? MODEL is a zoo preset (gpt2-large, llama-7b,
     gpt-j-6b, opt-13b, opt-66b, ...) or a config.json. Compiles the AdamW train step
-    for simulated devices on abstract shapes and reports memory per device. With
+    on abstract shapes for the --target's devices (simulated CPU devices, or a TPU
+    topology) and reports memory per device and an estimated step time. With
     --lora-rank, plans LoRA fine-tuning: only the adapters get gradients and AdamW state."""
     if json_path is not None:
         _check_writable(json_path, "--json")
-    _simulate_devices(devices)
+    hardware = TARGETS[target]
+    devices = devices or hardware.devices or 8
+    # A TPU slice's devices come from its topology; the CPU's run everything else.
+    _simulate_devices(devices if hardware.kind != "tpu" else 1)
     from .models import planning
 
     try:
         result = planning.memory_plan(
             model,
+            target=target,
             devices=devices,
             n_model_shards=n_model_shards,
             fsdp=fsdp,
@@ -280,12 +309,19 @@ def plan(
             lora_rank=lora_rank,
             lora_targets=lora_targets,
             frozen_dtype=frozen_dtype,
+            preference=preference,
         )
         if specs:
             click.echo(str(planning.sharding_plan_of(model, result.layout, result.lora)) + "\n")
     except (ValueError, TypeError) as err:
         raise click.ClickException(str(err)) from err
     click.echo(str(result))
+    if target == "cpu":
+        click.echo(
+            "(the CPU compiler's figures: --target v5e-8 and other TPU slices compile with the "
+            "TPU compiler (pip install 'redcoast[tpu]'); --target h100-80gb, a100-40gb, "
+            "l4-24gb ... estimate a GPU)"
+        )
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
 

@@ -46,7 +46,9 @@ def simulate_devices(n: int) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
         raise ValueError(f"simulate_devices needs a positive int, got {n!r}.")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "JAX_PLATFORMS" not in os.environ:  # JAX read it when imported: tell it too
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {SIMULATED_XLA_FLAGS}".strip()

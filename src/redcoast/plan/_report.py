@@ -6,10 +6,12 @@ import dataclasses
 from typing import Any
 
 from .._units import fmt_bytes
+from ._targets import StepEstimate
 
-__all__ = ["PRECISIONS", "REMATS", "Layout", "LoRA", "MemoryPlan"]
+__all__ = ["PRECISIONS", "PREFERENCES", "REMATS", "Layout", "LoRA", "MemoryPlan"]
 
 PRECISIONS = ("fp32", "bf16", "pure-bf16")
+PREFERENCES = ("dpo", "simpo", "orpo")
 REMATS = ("none", "attention", "dots", "full")
 
 
@@ -32,6 +34,11 @@ class Layout:
         context_parallel: every sequence split over the data axis instead of the
             rows (`rc.ContextParallel`); `per_device_batch_size` rows then reach
             every device, each holding `1 / n_data` of every row.
+        preference: `"dpo"`, `"simpo"` or `"orpo"` to plan preference tuning
+            (`rc.preference`): each of `per_device_batch_size` rows is a pair, its
+            chosen and rejected answers run in one pass; DPO's reference is the
+            model with its adapters off under LoRA (a second forward pass, no
+            gradient), otherwise log-probabilities precomputed into the batch.
     """
 
     devices: int
@@ -43,6 +50,7 @@ class Layout:
     seq_len: int = 1024
     sequence_parallel: bool = False
     context_parallel: bool = False
+    preference: str | None = None
 
     def __str__(self) -> str:
         parts = [f"TP {self.n_model_shards}"] if self.n_model_shards > 1 else []
@@ -55,6 +63,8 @@ class Layout:
             data = f"FSDP {n_data} + CP" if self.fsdp else f"CP {n_data}"
             batch = f"batch {self.per_device_batch_size}, each row split {n_data} ways"
         parts.append(data)
+        if self.preference is not None:
+            batch = f"{self.per_device_batch_size} {self.preference.upper()} pairs/device"
         return " x ".join(parts) + f", {self.precision}, remat {self.remat}, {batch}"
 
 
@@ -111,6 +121,12 @@ class MemoryPlan:
         tried: other layouts compiled on the way (`--search`), with their peaks.
         lora: the LoRA settings of a LoRA plan, else `None`.
         n_trainable: parameters that train (all of them without LoRA).
+        target: the hardware planned for (`"cpu"`, a TPU slice, a GPU).
+        cpu_copies: for a GPU, the bytes of float32 copies of bfloat16 arguments the
+            CPU compiler made and a GPU does not, left out of `peak`.
+        estimate: the step's time on the target, where its peak figures are known.
+        refused: the compiler's message when it refused the step as larger than the
+            device (the TPU compiler does); `temporaries` is then the figure it gave.
     """
 
     model: str
@@ -128,6 +144,10 @@ class MemoryPlan:
     tried: tuple[tuple[str, int | None], ...] = ()
     lora: LoRA | None = None
     n_trainable: int | None = None
+    target: str = "cpu"
+    cpu_copies: int = 0
+    estimate: StepEstimate | None = None
+    refused: str | None = None
 
     @property
     def activations(self) -> int:
@@ -157,6 +177,7 @@ class MemoryPlan:
         out["activations"] = self.activations
         out["fits"] = self.fits
         out["peak_keeping_model"] = self.peak_keeping_model
+        out["estimate"] = None if self.estimate is None else dataclasses.asdict(self.estimate)
         return out
 
     def _lora_lines(self) -> list[str]:
@@ -171,9 +192,10 @@ class MemoryPlan:
     def __str__(self) -> str:
         verdict = {None: "", True: "fits", False: "does not fit"}[self.fits]
         budget = "" if self.device_memory is None else f" of {fmt_bytes(self.device_memory)}"
+        where = "" if self.target == "cpu" else f" of {self.target}"
         lines = [
             f"{self.model}: {self.n_params / 1e9:.2f}B parameters, {self.layout.seq_len} tokens, "
-            f"{self.layout.devices} devices",
+            f"{self.layout.devices} devices{where}",
             f"layout: {self.layout}",
             *self._lora_lines(),
             f"per device: parameters {fmt_bytes(self.params)}, optimizer state "
@@ -184,6 +206,16 @@ class MemoryPlan:
             f"fit keeps the model given valid: {fmt_bytes(self.peak_keeping_model)}"
             + self._verdict(self.peak_keeping_model),
         ]
+        if self.refused:
+            lines.append(f"the compiler refused the step as larger than the device: {self.refused}")
+        if self.cpu_copies:
+            lines.append(
+                f"estimated for the GPU from the CPU compiler's program, less the "
+                f"{fmt_bytes(self.cpu_copies)} of float32 copies of bfloat16 arguments that "
+                "only XLA:CPU makes"
+            )
+        if self.estimate is not None:
+            lines.append(str(self.estimate))
         if self.max_batch is not None:
             lines.append(f"largest per-device batch that fits: {self.max_batch}")
         if self.max_seq_len is not None:

@@ -9,7 +9,9 @@ memory analysis gives the bytes, and the shardings the parameters' and state's o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,9 +33,11 @@ from ..parallel._sharding_plan import ShardingPlan
 from ..parallel.mesh import DATA, make_mesh
 from ..parallel.sharding import sharding_plan
 from ..train.step import LossFn
+from ._flops import jaxpr_flops
+from ._hlo import collective_bytes, cpu_float32_copies, loop_factor
 from ._report import Layout, LoRA
 
-__all__ = ["PlannedModel", "compile_step", "plan_specs", "with_lora"]
+__all__ = ["Measured", "PlannedModel", "compile_step", "plan_specs", "with_lora"]
 
 
 def next_token_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
@@ -216,13 +220,62 @@ def _placed_opt_state(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What one compile of the step says, per device unless named otherwise.
+
+    Attributes:
+        n_params: parameters of the model (all devices).
+        params, opt_state, gradients: bytes of each on one device.
+        temporaries: XLA's temporary bytes (gradients, activations, workspace).
+        peak: arguments + temporaries + outputs that do not reuse donated inputs.
+        seconds: time to lower and compile.
+        flops: the step's FLOPs on all devices, a scanned layer counted as often as it
+            runs, recomputation included (counted on the traced program: every
+            matmul and einsum).
+        bytes_accessed: bytes one device reads and writes: the compiler's count, each
+            loop's body multiplied out as often as it runs (`_hlo.loop_factor`).
+        collective_bytes: bytes collectives produce on one device, loops counted.
+        cpu_copies: bytes of float32 copies of bfloat16 arguments that only XLA:CPU
+            makes (0 on other compilers).
+        tokens: tokens of the global batch.
+        refused: the compiler's message when it refused the step as larger than
+            the device (the TPU compiler does); `temporaries` is then its figure.
+    """
+
+    n_params: int
+    params: int
+    opt_state: int
+    gradients: int
+    temporaries: int
+    peak: int
+    seconds: float
+    flops: float
+    tokens: int
+    bytes_accessed: float
+    collective_bytes: int
+    cpu_copies: int
+    refused: str | None = None
+
+
 def compile_step(
-    model: PlannedModel, layout: Layout, lora: LoRA | None = None
-) -> tuple[int, int, int, int, int, int, float]:
-    """(n_params, params, opt_state, gradients, temporaries, peak, seconds) per device."""
+    model: PlannedModel,
+    layout: Layout,
+    lora: LoRA | None = None,
+    devices: list[Any] | None = None,
+) -> Measured:
+    """Build, lower and compile the step of `model` under `layout` and measure it.
+
+    Args:
+        model: what to plan.
+        layout: how the step is laid out.
+        lora: LoRA's settings, or None.
+        devices: the devices to compile for (a TPU topology's, say); default this
+            process's first `layout.devices`.
+    """
     from ..train.step import train_step
 
-    devices = jax.devices()[: layout.devices]
+    devices = list(jax.devices()[: layout.devices] if devices is None else devices)
     mesh = make_mesh(layout.n_model_shards, devices=devices)
     n_data = layout.devices // layout.n_model_shards
     key = jax.random.key(0)
@@ -244,6 +297,8 @@ def compile_step(
             (rows, tokens), jnp.int32, sharding=NamedSharding(mesh, spec)
         )
     }
+    if layout.preference is not None:
+        loss, batch = _preference(layout.preference, lora, rows, layout.seq_len, mesh)
     if layout.precision != "fp32":
         options["precision"] = layout.precision
     if mask is not None:
@@ -264,16 +319,94 @@ def compile_step(
     key_shape = jax.eval_shape(lambda: key)
     start = time.perf_counter()
     lowered = jax.jit(run, donate_argnums=(0, 1)).lower(params, state, batch, key_shape)
-    compiled = lowered.compile()
+    common = {
+        "n_params": sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)),
+        "params": _local_bytes(params),
+        "opt_state": _local_bytes(state),
+        "gradients": _local_bytes(trained),  # one gradient per trainable parameter
+        "flops": jaxpr_flops(jax.make_jaxpr(run)(params, state, batch, key_shape).jaxpr),
+        "tokens": rows * layout.seq_len * (1 if layout.preference is None else 2),
+    }
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        # The TPU compiler refuses a program larger than the chip, saying by how much.
+        temp = _refused_temporaries(str(err))
+        if temp is None:
+            raise
+        arguments = common["params"] + common["opt_state"] + _local_bytes(batch)
+        return Measured(
+            **common,
+            temporaries=temp,
+            peak=arguments + temp,
+            seconds=time.perf_counter() - start,
+            bytes_accessed=0.0,
+            collective_bytes=0,
+            cpu_copies=0,
+            refused=str(err).split("\n")[0],
+        )
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     if stats is None:
         raise RuntimeError(f"XLA gave no memory analysis for {jax.default_backend()}.")
-    param_bytes = _local_bytes(params)
-    state_bytes = _local_bytes(state)
-    n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
-    grads = _local_bytes(trained)  # one gradient per trainable parameter, in its dtype
     temp = int(stats.temp_size_in_bytes)
     outputs = int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes)
-    peak = int(stats.argument_size_in_bytes) + temp + max(outputs, 0)
-    return n_params, param_bytes, state_bytes, grads, temp, peak, seconds
+    text = compiled.as_text() or ""
+    cost = _cost_analysis(compiled)
+    on_cpu = devices[0].platform == "cpu"
+    return Measured(
+        **common,
+        temporaries=temp,
+        peak=int(stats.argument_size_in_bytes) + temp + max(outputs, 0),
+        seconds=seconds,
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)) * loop_factor(text),
+        collective_bytes=collective_bytes(text),
+        cpu_copies=cpu_float32_copies(text) if on_cpu else 0,
+    )
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _refused_temporaries(message: str) -> int | None:
+    """The temporaries the TPU compiler says a program larger than its chip needs:
+    `... required for HLO temporaries (16.20G) exceeds available HBM (15.75G)` or
+    `HLO temp 63.79G`; None for any other error."""
+    found = re.search(r"HLO temp(?:oraries \(|\s+)([\d.]+)([KMGT])", message)
+    if "RESOURCE_EXHAUSTED" not in message or found is None:
+        return None
+    return int(float(found[1]) * _UNITS[found[2]])
+
+
+def _preference(
+    kind: str, lora: LoRA | None, rows: int, seq_len: int, mesh: Mesh
+) -> tuple[LossFn, dict[str, jax.ShapeDtypeStruct]]:
+    """The preference loss `fit` would run, and a batch of `rows` pairs for it: both
+    answers of each pair, and for DPO without adapters the reference's precomputed
+    log-probabilities (`rc.preference.precompute_reference`)."""
+    from ..train import preference
+
+    rows_split = NamedSharding(mesh, P(DATA))
+    batch = {
+        f"{answer}_{field}": jax.ShapeDtypeStruct((rows, seq_len), dtype, sharding=rows_split)
+        for answer in ("chosen", "rejected")
+        for field, dtype in (("ids", jnp.int32), ("mask", jnp.bool_))
+    }
+    if kind == "dpo":
+        reference = "lora" if lora is not None else "precomputed"
+        if lora is None:
+            for answer in ("chosen", "rejected"):
+                batch[f"ref_{answer}_logp"] = jax.ShapeDtypeStruct(
+                    (rows,), jnp.float32, sharding=rows_split
+                )
+        return functools.partial(preference.dpo_loss, reference=reference), batch
+    losses = {"simpo": preference.simpo_loss, "orpo": preference.orpo_loss}
+    return losses[kind], batch
+
+
+def _cost_analysis(compiled: Any) -> dict[str, Any]:
+    """The compiler's cost analysis as one dict (JAX versions return a dict or a list)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else {}
+    return dict(cost or {})

@@ -32,6 +32,7 @@ from .._units import fmt_bytes as fmt_bytes
 from .._units import parse_bytes as parse_bytes
 from ..parallel._sharding_plan import ShardingPlan
 from ._report import PRECISIONS as PRECISIONS
+from ._report import PREFERENCES as PREFERENCES
 from ._report import REMATS as REMATS
 from ._report import Layout as Layout
 from ._report import LoRA as LoRA
@@ -39,6 +40,8 @@ from ._report import MemoryPlan as MemoryPlan
 from ._step import PlannedModel as PlannedModel
 from ._step import compile_step, plan_specs
 from ._step import next_token_loss as next_token_loss
+from ._targets import TARGETS as TARGETS
+from ._targets import Target, estimate, target_devices, target_named
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 _DTYPES |= {"fp16": "float16", "float16": "float16"}
@@ -96,7 +99,14 @@ def _check_context(layout: Layout, model: PlannedModel) -> None:
         raise ValueError(model.no_context_parallel)
 
 
-def _check_layout(layout: Layout, model: PlannedModel) -> None:
+def _check_layout(layout: Layout, model: PlannedModel, *, compiles_here: bool) -> None:
+    if layout.preference is not None and layout.preference not in PREFERENCES:
+        raise ValueError(f"preference {layout.preference!r}: choose one of {PREFERENCES}.")
+    if layout.preference is not None and layout.context_parallel:
+        raise ValueError(
+            "preference tuning is planned with whole pairs on each device; plan it without "
+            "context_parallel (sequence_parallel or remat keep long pairs small)."
+        )
     if layout.precision not in PRECISIONS:
         raise ValueError(f"precision {layout.precision!r}: choose one of {PRECISIONS}.")
     if layout.remat not in REMATS:
@@ -126,7 +136,7 @@ def _check_layout(layout: Layout, model: PlannedModel) -> None:
         raise ValueError(
             f"seq_len {layout.seq_len} is longer than the model's {positions} positions."
         )
-    if jax.device_count() < layout.devices:
+    if compiles_here and jax.device_count() < layout.devices:
         raise ValueError(
             f"planning for {layout.devices} devices needs {layout.devices} devices to compile "
             f"for; this process has {jax.device_count()}. Simulate them with "
@@ -135,44 +145,74 @@ def _check_layout(layout: Layout, model: PlannedModel) -> None:
         )
 
 
-def _measure(
-    model: PlannedModel,
-    layout: Layout,
-    device_memory: int | None,
-    lora: LoRA | None = None,
-) -> MemoryPlan:
-    n_params, params, state, grads, temp, peak, seconds = compile_step(model, layout, lora)
-    n_trainable = n_params
-    if lora is not None:
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What one `memory_plan` call plans: the model, its adapters, the hardware."""
+
+    model: PlannedModel
+    lora: LoRA | None
+    target: Target
+
+
+def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan:
+    found = compile_step(
+        job.model, layout, job.lora, devices=target_devices(job.target, layout.devices)
+    )
+    n_trainable = found.n_params
+    if job.lora is not None:
         from ..lora._layers import trainable
 
-        abstract = eqx.filter_eval_shape(model.factory(layout.remat, lora), jax.random.key(0))
+        make = job.model.factory(layout.remat, job.lora)
+        abstract = eqx.filter_eval_shape(make, jax.random.key(0))
         kept = eqx.filter(abstract, trainable(abstract))
         n_trainable = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(kept))
+    # A GPU runs bfloat16 matmuls as they are: what XLA:CPU copies to float32 is left out.
+    copies = found.cpu_copies if job.target.kind == "gpu" else 0
+    moved = found.bytes_accessed
+    if job.target.kind == "gpu":
+        # XLA:CPU's traffic (bfloat16 computed in float32, fewer fusions) is not a GPU's:
+        # count what any program must move, every argument read and every output and
+        # temporary written and read once.
+        moved = found.peak - copies + found.temporaries - copies
+    step = (
+        None
+        if found.refused
+        else estimate(
+            job.target,
+            devices=layout.devices,
+            flops=found.flops,
+            bytes_per_device=float(moved),
+            collective_bytes=found.collective_bytes,
+            tokens=found.tokens,
+            n_params=found.n_params,
+        )
+    )
     return MemoryPlan(
-        model.name,
-        n_params,
+        job.model.name,
+        found.n_params,
         layout,
-        params,
-        state,
-        grads,
-        temp,
-        peak,
+        found.params,
+        found.opt_state,
+        found.gradients,
+        found.temporaries - copies,
+        found.peak - copies,
         device_memory,
-        compile_seconds=seconds,
-        lora=lora,
+        compile_seconds=found.seconds,
+        lora=job.lora,
         n_trainable=n_trainable,
+        target=job.target.name,
+        cpu_copies=copies,
+        estimate=step,
+        refused=found.refused,
     )
 
 
-def _max_batch(model: PlannedModel, first: MemoryPlan, budget: int) -> int | None:
+def _max_batch(job: _Job, first: MemoryPlan, budget: int) -> int | None:
     """The largest per-device batch whose peak fits: linear in the batch, then checked."""
     b = first.layout.per_device_batch_size
     if first.peak > budget:
         return None
-    second = _measure(
-        model, dataclasses.replace(first.layout, per_device_batch_size=2 * b), None, first.lora
-    )
+    second = _measure(job, dataclasses.replace(first.layout, per_device_batch_size=2 * b), None)
     slope = (second.peak - first.peak) / b
     if slope <= 0:
         return None
@@ -181,25 +221,25 @@ def _max_batch(model: PlannedModel, first: MemoryPlan, budget: int) -> int | Non
         if guess <= b:
             return b
         layout = dataclasses.replace(first.layout, per_device_batch_size=guess)
-        peak = _measure(model, layout, None, first.lora).peak
+        peak = _measure(job, layout, None).peak
         if peak <= budget:
             return guess
         guess = b + int((guess - b) * budget / peak) - 1
     return b
 
 
-def _longest_seq(model: PlannedModel, first: MemoryPlan, budget: int) -> int | None:
+def _longest_seq(job: _Job, first: MemoryPlan, budget: int) -> int | None:
     """The longest sequence whose peak fits: doubling, then halving the gap to 128 tokens.
 
     Stops at `limit` (the model's positions), or at 32 times the planned length.
     """
     if first.peak > budget:
         return None
-    cap = model.positions or 32 * first.layout.seq_len
+    cap = job.model.positions or 32 * first.layout.seq_len
 
     def fits(seq: int) -> bool:
         layout = dataclasses.replace(first.layout, seq_len=seq)
-        return _measure(model, layout, None, first.lora).peak <= budget
+        return _measure(job, layout, None).peak <= budget
 
     fit, fail = first.layout.seq_len, None
     while fail is None and fit < cap:
@@ -261,7 +301,8 @@ def _floor(n_params: int, layout: Layout, lora: LoRA | None = None) -> float:
 def memory_plan(
     model: PlannedModel | Callable[[PRNGKeyArray], Any],
     *,
-    devices: int,
+    devices: int | None = None,
+    target: str = "cpu",
     n_model_shards: int = 1,
     fsdp: bool = False,
     seq_len: int = 1024,
@@ -270,6 +311,7 @@ def memory_plan(
     remat: str = "none",
     sequence_parallel: bool = False,
     context_parallel: bool = False,
+    preference: str | None = None,
     device_memory: int | str | None = None,
     search: bool = False,
     max_batch: bool = True,
@@ -299,6 +341,10 @@ def memory_plan(
             rows (`rc.ContextParallel`, the decoders): `per_device_batch_size` rows
             reach every device, `1 / n_data` of each; `search` tries it after every
             layout without it.
+        preference: `"dpo"`, `"simpo"` or `"orpo"`: plan preference tuning
+            (`rc.preference`) on `per_device_batch_size` pairs per device, both
+            answers of `seq_len` tokens; DPO's reference is the model with its
+            adapters off under LoRA, else log-probabilities precomputed beside the rows.
         device_memory: memory per device to judge fit: a string with its unit
             (`"32GB"`, `"40GiB"`; a bare `"40"` is refused) or an int of bytes.
         search: find the cheapest layout that fits `device_memory` instead (see
@@ -329,11 +375,20 @@ def memory_plan(
         >>> print(rc.memory_plan("llama-7b", devices=4, n_model_shards=4, seq_len=1024,
         ...               remat="full", device_memory="40GB"))
     """
+    hardware = target_named(target)
+    devices = hardware.devices if devices is None else devices
+    if devices is None:
+        raise ValueError(f"say how many devices to plan for: devices= (--devices) for {target}.")
+    if device_memory is None and hardware.memory is not None:
+        device_memory = hardware.memory
     budget = None if device_memory is None else parse_bytes(device_memory)
     lora = _lora_settings(lora_rank, lora_targets, frozen_dtype)
     layout = Layout(devices, n_model_shards, fsdp, precision, remat, per_device_batch_size, seq_len)
     layout = dataclasses.replace(
-        layout, sequence_parallel=sequence_parallel, context_parallel=context_parallel
+        layout,
+        sequence_parallel=sequence_parallel,
+        context_parallel=context_parallel,
+        preference=preference,
     )
     if not isinstance(model, PlannedModel):
         if not callable(model):
@@ -347,37 +402,38 @@ def memory_plan(
                 "remat or to search layouts."
             )
         model = PlannedModel.of_factory(model)
-    _check_layout(layout, model)
+    job = _Job(model, lora, hardware)
+    _check_layout(layout, model, compiles_here=hardware.kind != "tpu")
     if search:
         if budget is None:
             raise ValueError("search needs device_memory, the budget a layout must fit in.")
-        result = _search(model, layout, budget, lora)
+        result = _search(job, layout, budget)
     else:
-        result = _measure(model, layout, budget, lora)
+        result = _measure(job, layout, budget)
     if max_batch and budget is not None and result.fits:
-        result = dataclasses.replace(result, max_batch=_max_batch(model, result, budget))
+        result = dataclasses.replace(result, max_batch=_max_batch(job, result, budget))
     if longest_seq and budget is not None and result.fits:
-        result = dataclasses.replace(result, max_seq_len=_longest_seq(model, result, budget))
+        result = dataclasses.replace(result, max_seq_len=_longest_seq(job, result, budget))
     return result
 
 
-def _search(model: PlannedModel, layout: Layout, budget: int, lora: LoRA | None) -> MemoryPlan:
+def _search(job: _Job, layout: Layout, budget: int) -> MemoryPlan:
     tried: list[tuple[str, int | None]] = []
-    abstract = eqx.filter_eval_shape(model.build("none"), jax.random.key(0))
+    abstract = eqx.filter_eval_shape(job.model.build("none"), jax.random.key(0))
     arrays = eqx.filter(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(arrays))
     last: MemoryPlan | None = None
-    for candidate in _candidates(layout, model):
-        if _floor(n_params, candidate, lora) > budget:
+    for candidate in _candidates(layout, job.model):
+        if _floor(n_params, candidate, job.lora) > budget:
             tried.append((str(candidate), None))
             continue
-        last = _measure(model, candidate, budget, lora)
+        last = _measure(job, candidate, budget)
         if last.fits:
             return dataclasses.replace(last, tried=tuple(tried))
         tried.append((str(candidate), last.peak))
     if last is None:
         # Arithmetic ruled out every layout; compile the most frugal one to show by how much.
-        frugal = list(_candidates(layout, model))[-1]
+        frugal = list(_candidates(layout, job.model))[-1]
         tried.pop()
-        last = _measure(model, frugal, budget, lora)
+        last = _measure(job, frugal, budget)
     return dataclasses.replace(last, tried=tuple(tried))

@@ -1,0 +1,83 @@
+"""Verdicts for the hardware people rent: LLaMA-2-7B on TPU slices and LLaMA-7B on one GPU.
+
+Each row is one `rc.memory_plan(..., target=...)`: the real AdamW train step compiled
+on abstract shapes, for a TPU slice by the TPU compiler (libtpu, `pip install
+'redcoast[tpu]'`; it runs on a machine without a TPU), for a GPU from the CPU
+compiler's program without the float32 copies of bfloat16 arguments only XLA:CPU
+makes. bf16 compute (fp32 weights and AdamW state for a full fine-tune; a bfloat16
+frozen base for LoRA rank 8 on every projection), full remat, scanned layers, one
+sequence per device; FSDP over the slice for the full fine-tunes. The step time is
+the planner's roofline at the hardware's published peak (a lower bound; see
+`redcoast.plan._targets.StepEstimate`).
+
+Run: python scripts/plan_targets.py   (writes bench-results/plan_targets.json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROWS = [
+    # model, tokens, target, LoRA rank (0: full fine-tune), FSDP
+    ("llama-2-7b", 2048, "v5e-8", 0, True),
+    ("llama-2-7b", 4096, "v5e-8", 0, True),
+    ("llama-2-7b", 2048, "v5e-8", 8, False),
+    ("llama-2-7b", 4096, "v5e-8", 8, False),
+    ("llama-2-7b", 2048, "v5p-8", 0, True),
+    ("llama-2-7b", 4096, "v5p-8", 0, True),
+    ("llama-2-7b", 2048, "v5p-8", 8, False),
+    ("llama-7b", 2048, "l4-24gb", 8, False),
+    ("llama-7b", 2048, "h100-80gb", 0, False),
+]
+
+
+def main() -> None:
+    import redcoast as rc
+    from redcoast._units import fmt_bytes
+
+    rc.simulate_devices(1)
+    rows = []
+    print(
+        "| model | tokens | target | training | peak per device | verdict "
+        "| estimated step | tokens/s | MFU | planned in |"
+    )
+    print("|" + "---|" * 10)
+    for model, seq, target, rank, fsdp in ROWS:
+        start = time.perf_counter()
+        plan = rc.memory_plan(
+            model,
+            target=target,
+            devices=None if target.startswith("v") else 1,
+            fsdp=fsdp,
+            seq_len=seq,
+            precision="bf16",
+            remat="full",
+            lora_rank=rank,
+            max_batch=False,
+        )
+        seconds = time.perf_counter() - start
+        step = plan.estimate
+        training = f"LoRA rank {rank}" if rank else ("full, FSDP" if fsdp else "full")
+        verdict = "fits" if plan.fits else "does not fit"
+        print(
+            f"| {model} | {seq} | {target} | {training} | {fmt_bytes(plan.peak)} | {verdict} "
+            f"| {step.seconds * 1e3:,.0f} ms | {step.tokens_per_second:,.0f} "
+            f"| {step.mfu:.0%} | {seconds:.0f} s |"
+            if step is not None
+            else f"| {model} | {seq} | {target} | {training} | {fmt_bytes(plan.peak)} "
+            f"| {verdict} | | | | {seconds:.0f} s |",
+            flush=True,
+        )
+        rows.append({"model": model, "tokens": seq, "target": target, **plan.to_dict()})
+    out = Path("bench-results/plan_targets.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

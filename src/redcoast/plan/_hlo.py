@@ -1,0 +1,270 @@
+"""Reading a compiled program's text: sizes, loops, collectives, and the CPU's own copies.
+
+XLA prints a compiled program as computations of instructions. A scanned layer
+stack is a `while` whose body runs `known_trip_count` times, so what the body
+does counts that many times (`multipliers`), and so do the bytes it moves
+(`bytes_accessed`). Collectives are read with their
+result sizes (`collective_bytes`). XLA:CPU computes bfloat16 matmuls in float32:
+it converts bfloat16 arguments to float32 copies that no GPU or TPU program makes
+(`cpu_float32_copies`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+__all__ = [
+    "bytes_accessed",
+    "collective_bytes",
+    "cpu_float32_copies",
+    "loop_factor",
+    "multipliers",
+    "shape_bytes",
+]
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_ARRAY = re.compile(r"\b(pred|[sufc]\d+|bf16|f8\w*)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16}
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*?)\)")
+# Instructions that name or regroup buffers without reading them, and the loops and
+# calls whose bodies are counted on their own.
+_FREE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+    "conditional", "call", "after-all", "partition-id", "replica-id", "opt-barrier",
+}  # fmt: skip
+_PASS_THROUGH = ("convert", "bitcast", "copy")
+_SLICES = ("slice", "dynamic-slice")
+_FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")
+_COLLECTIVE = re.compile(r"=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def _dtype_bytes(name: str) -> float:
+    if name in _BITS:
+        return _BITS[name] / 8
+    return int(re.sub(r"\D", "", name) or "8") / 8
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of the arrays an XLA type names: `f32[8,128]`, `(bf16[4], s32[])`."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        total += math.prod(int(d) for d in dims.split(",") if d) * _dtype_bytes(dtype)
+    return int(total)
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """Each computation's instruction lines, and the entry computation's name."""
+    found: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = _HEADER.match(line) if current is None else None
+        if header:
+            current = header[2]
+            found[current] = []
+            if header[1]:
+                entry = current
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            found[current].append(line)
+    return found, entry
+
+
+def _calls(text: str) -> tuple[dict[str, list[str]], str, dict[str, list[tuple[str, int, bool]]]]:
+    """Computations, the entry's name, and each computation's callees: (name, times per
+    run of the caller, whether the callee is a body of its own — a loop's or a branch —
+    rather than fused into or applied by one instruction)."""
+    comps, entry = _computations(text)
+    edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
+    for name, lines in comps.items():
+        for line in lines:
+            n = _trip_count(line, comps) if " while(" in line else 1
+            for kind, callees in _CALLS.findall(line):
+                own = kind in ("body", "condition", "branch_computations") or " call(" in line
+                for callee in callees.strip("{}").replace("%", "").split(","):
+                    if callee.strip():
+                        edges[name].append((callee.strip(), n, own))
+    return comps, entry, edges
+
+
+def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+    """How many times a `while` runs: its `known_trip_count` (XLA:CPU, GPU), else the
+    bound its condition compares the counter with (`i < N`, counting from 0 by 1, as
+    `lax.scan` and `fori_loop` do), else once."""
+    trips = _TRIPS.search(line)
+    if trips:
+        return int(trips[1])
+    condition = re.search(r"\bcondition=%?([\w.\-]+)", line)
+    body = comps.get(condition[1], []) if condition else []
+    bound = re.compile(r"=\s*s32\[\]\S*\s+constant\((\d+)\)")
+    constants = [int(m[1]) for m in map(bound.search, body) if m]
+    compares = [ln for ln in body if " compare(" in ln and "direction=LT" in ln]
+    return constants[0] if len(constants) == 1 and len(compares) == 1 else 1
+
+
+def multipliers(text: str, *, own_bodies: bool = False) -> dict[str, int]:
+    """How many times each computation runs per run of the program.
+
+    A `while`'s body and condition run its `known_trip_count` times (once when XLA
+    does not know it); fusions, calls and reductions run once per use. With
+    `own_bodies`, only the computations whose instructions run one by one: the
+    entry, loop bodies and conditions, branches and calls (not what is fused into or
+    applied by one instruction).
+    """
+    _, entry, edges = _calls(text)
+    counts: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, times: int, depth: int) -> None:
+        counts[name] += times
+        if depth < 64:
+            for callee, n, own in edges.get(name, []):
+                if own or not own_bodies:
+                    visit(callee, times * n, depth + 1)
+
+    if entry:
+        visit(entry, 1, 0)
+    return dict(counts)
+
+
+def bytes_accessed(text: str, *, once: bool = False) -> int:
+    """Bytes one device reads and writes per run: every instruction's operands and
+    result, a loop's body counted as often as it runs.
+
+    What XLA's cost analysis counts (equal to it on a program without loops), but per
+    run of each loop body rather than once: an instruction or fusion reads its
+    operands and writes its result; instructions that only name buffers (parameters,
+    tuples, bitcasts) move nothing. A layer stack's body reads one layer of each
+    stacked array (a slice reads the slice, not the stack) and writes one
+    layer of each stacked result in place (a dynamic update writes the update).
+    """
+    comps, _ = _computations(text)
+    total = 0
+    for name, n in multipliers(text, own_bodies=True).items():
+        n = 1 if once else n
+        types: dict[str, str] = {}
+        moved = 0
+        for line in comps.get(name, []):
+            found = _INSTRUCTION.match(line)
+            if not found:
+                continue
+            result, shape, op, operands = found.groups()
+            types[result] = shape
+            if op in _FREE:
+                continue
+            sizes = [shape_bytes(types.get(_operand_name(o), "")) for o in operands.split(",")]
+            fused = _FUSED.search(line) if op == "fusion" else None
+            reads, written = _slices(comps.get(fused[1], []) if fused else [line])
+            moved += sum(reads.get(i, size) for i, size in enumerate(sizes))
+            moved += shape_bytes(shape) if written is None else written
+        total += moved * n
+    return total
+
+
+def loop_factor(text: str) -> float:
+    """How many times more bytes a run moves than a count of each loop body once:
+    what a compiler's cost analysis (which counts a body once) is multiplied by.
+
+    The ratio of `bytes_accessed` with loops counted to the same count with every
+    body once, so the two compilers' own ways of counting (XLA:TPU's asynchronous
+    copies, its multi-output fusions) stay theirs.
+    """
+    loops = bytes_accessed(text)
+    once = bytes_accessed(text, once=True)
+    return loops / once if once else 1.0
+
+
+def _operand_name(operand: str) -> str:
+    """`%dot.2` of `f32[8] %dot.2` or `/*index=5*/%dot.2`."""
+    return re.sub(r"/\*.*?\*/", "", operand).strip().split(" ")[-1].lstrip("%")
+
+
+def _slices(lines: list[str]) -> tuple[dict[int, int], int | None]:
+    """What an instruction (or a fused computation) reads of its operands and writes,
+    where slices make it less than the whole: {operand index: bytes read} for an
+    operand read only through dynamic slices, and the bytes written when its result
+    is a dynamic update in place (None otherwise)."""
+    found = [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
+    if not found:
+        return {}, None
+    params = {name: int(ops) for name, _, op, ops in found if op == "parameter"}
+    if len(found) == 1:  # one instruction: its operands are 0, 1, ...
+        name, shape, op, ops = found[0]
+        params = {_operand_name(o): i for i, o in enumerate(ops.split(","))}
+    users: dict[str, list[tuple[str, str, int, str]]] = defaultdict(list)
+    by_name = {name: (shape, op, ops) for name, shape, op, ops in found}
+    for name, shape, op, ops in found:
+        for position, operand in enumerate(ops.split(",")):
+            users[_operand_name(operand)].append((name, op, position, shape))
+
+    def uses(name: str) -> list[tuple[str, int, str]]:
+        """Who reads `name`, looking through conversions (XLA:CPU converts a bfloat16
+        stack to float32 around an update in place; other compilers update it as it is)."""
+        found_uses = []
+        for user, op, position, shape in users.get(name, []):
+            if op in _PASS_THROUGH:
+                found_uses += uses(user)
+            else:
+                found_uses.append((op, position, shape))
+        return found_uses
+
+    reads: dict[int, int] = {}
+    for param, index in params.items():
+        read = uses(param)
+        if read and all(op in _SLICES and pos == 0 for op, pos, _ in read):
+            reads[index] = sum(shape_bytes(shape) for _, _, shape in read)
+        elif read and all(op == "dynamic-update-slice" and pos == 0 for op, pos, _ in read):
+            reads[index] = 0
+    root, (_, op, ops) = found[-1][0], found[-1][1:]
+    while op in _PASS_THROUGH and _operand_name(ops) in by_name:
+        root = _operand_name(ops)
+        _, op, ops = by_name[root]
+    if op != "dynamic-update-slice":
+        return reads, None
+    update = _operand_name(ops.split(",")[1])
+    return reads, shape_bytes(by_name[update][0]) if update in by_name else None
+
+
+def collective_bytes(text: str) -> int:
+    """Bytes that collectives produce on one device per run, each counted as often as its
+    computation runs."""
+    comps, _ = _computations(text)
+    times = multipliers(text)
+    total = 0
+    for name, lines in comps.items():
+        for line in lines:
+            found = _COLLECTIVE.search(line)
+            if found and "-done(" not in line:
+                total += shape_bytes(found["shape"]) * times.get(name, 1)
+    return total
+
+
+def cpu_float32_copies(text: str) -> int:
+    """Bytes of the float32 copies XLA:CPU makes of bfloat16 arguments at the top level.
+
+    XLA:CPU has no bfloat16 matmul: it converts a bfloat16 argument (a frozen
+    bfloat16 weight) to float32 once, outside the layer loop, and the copy lives
+    through the step. GPU and TPU compilers multiply bfloat16 as it is. Counted:
+    every instruction of the entry computation that makes a float32 array of the
+    shape of a bfloat16 parameter from that parameter alone.
+    """
+    comps, entry = _computations(text)
+    lines = comps.get(entry, [])
+    params: dict[str, str] = {}
+    for line in lines:
+        m = re.match(r"\s*%?([\w.\-]+)\s*=\s*bf16\[([\d,]*)\]\S*\s+parameter\(", line)
+        if m:
+            params[m[1]] = m[2]
+    total = 0
+    for line in lines:
+        m = re.match(r"\s*%?[\w.\-]+\s*=\s*f32\[([\d,]*)\]\S*\s+(convert|fusion)\((.*?)\)", line)
+        if not m:
+            continue
+        operands = [o.split()[-1].lstrip("%") for o in m[3].split(",") if o.strip()]
+        if len(operands) == 1 and params.get(operands[0]) == m[1]:
+            total += shape_bytes(f"f32[{m[1]}]")
+    return total

@@ -1,0 +1,193 @@
+"""Planning for other hardware: loops counted as often as they run, a GPU's bfloat16
+without the CPU's float32 copies, and the TPU compiler's own figures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from click.testing import CliRunner
+
+import redcoast as rc
+from redcoast.cli import main
+from redcoast.plan import _hlo, _targets
+
+LLAMA = rc.models.LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+)
+
+
+def _layers(x: jax.Array, w: jax.Array, scan: bool) -> jax.Array:
+    if scan:
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+    for i in range(w.shape[0]):
+        x = jnp.tanh(x @ w[i])
+    return x
+
+
+def _compiled_text(scan: bool) -> tuple[str, float]:
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 128, 128), jnp.float32)
+    grad = jax.grad(lambda x, w: _layers(x, w, scan).sum(), argnums=1)
+    compiled = jax.jit(grad).lower(x, w).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return compiled.as_text() or "", float(cost["bytes accessed"])
+
+
+def test_a_scanned_layer_stack_moves_the_bytes_of_the_same_layers_unrolled() -> None:
+    scanned, compilers_scanned = _compiled_text(scan=True)
+    unrolled, compilers_unrolled = _compiled_text(scan=False)
+    # Each scan's body runs once per layer: the forward and the backward loop.
+    assert (
+        sorted(n for n in _hlo.multipliers(scanned, own_bodies=True).values() if n > 1) == [8] * 4
+    )
+    # Counting each body once, the count is the compiler's own, with loops or without.
+    assert _hlo.bytes_accessed(unrolled) == pytest.approx(compilers_unrolled, rel=1e-3)
+    assert _hlo.bytes_accessed(scanned, once=True) == pytest.approx(compilers_scanned, rel=1e-3)
+    # Counted per run, the scanned stack moves at least what its layers unrolled move
+    # (and its stacked inputs and residuals besides); counted once, far less.
+    per_run = compilers_scanned * _hlo.loop_factor(scanned)
+    assert per_run == pytest.approx(_hlo.bytes_accessed(scanned), rel=1e-3)
+    assert compilers_scanned < 0.6 * compilers_unrolled < per_run < 2.5 * compilers_unrolled
+
+
+def test_a_gpu_plan_leaves_out_the_cpus_float32_copies_of_the_frozen_weights() -> None:
+    options = {"devices": 1, "seq_len": 32, "lora_rank": 4, "precision": "bf16", "max_batch": False}
+    cpu = rc.memory_plan(LLAMA, **options)
+    gpu = rc.memory_plan(LLAMA, target="l4-24gb", **options)
+    frozen_bf16 = sum(  # every frozen Linear's weight, stored in bfloat16
+        x.size for path, x in _frozen_weights() if path.endswith("weight")
+    )
+    assert cpu.cpu_copies == 0 and gpu.cpu_copies > 0
+    # Each frozen bfloat16 matrix copied once to float32, 4 bytes an element.
+    assert gpu.cpu_copies == pytest.approx(4 * frozen_bf16, rel=0.05)
+    assert gpu.peak == cpu.peak - gpu.cpu_copies
+    assert gpu.device_memory == 23034 * 2**20  # the L4's, as nvidia-smi reports it
+    assert gpu.estimate is not None and cpu.estimate is None
+    assert "float32 copies" in str(gpu) and "lower bound" in str(gpu)
+
+
+def test_a_dpo_plan_runs_both_answers_and_the_reference_without_its_adapters() -> None:
+    options = {"devices": 2, "seq_len": 32, "lora_rank": 4, "max_batch": False}
+    plain = rc.memory_plan(LLAMA, **options)
+    dpo = rc.memory_plan(LLAMA, preference="dpo", **options)
+    assert "1 DPO pairs/device" in str(dpo)
+    # The same weights and adapters; twice the sequences, and a forward pass without
+    # the adapters for the reference.
+    assert (dpo.params, dpo.opt_state) == (plain.params, plain.opt_state)
+    assert dpo.activations > 1.5 * plain.activations
+    assert dpo.estimate is None and dpo.layout.preference == "dpo"
+    with pytest.raises(ValueError, match="choose one of"):
+        rc.memory_plan(LLAMA, preference="kto", **options)
+
+
+def _frozen_weights() -> list[tuple[str, jax.ShapeDtypeStruct]]:
+    from redcoast._tree_paths import path_str
+
+    model = jax.eval_shape(
+        lambda k: rc.models.Llama(LLAMA, key=k, scan_layers=True), jax.random.key(0)
+    )
+    leaves = jax.tree_util.tree_leaves_with_path(model)
+    return [
+        (path_str(p), x)
+        for p, x in leaves
+        if x.ndim >= 2 and "embed" not in path_str(p) and "lm_head" not in path_str(p)
+    ]
+
+
+def test_the_step_estimate_is_a_roofline_of_the_targets_figures() -> None:
+    h100 = _targets.target_named("h100-80gb")
+    step = _targets.estimate(
+        h100,
+        devices=2,
+        flops=2 * 989e12,  # one second of each H100's peak
+        bytes_per_device=3.35e12 / 2,  # half a second of its memory bandwidth
+        collective_bytes=int(450e9 / 10),  # a tenth of a second over NVLink
+        tokens=4096,
+        n_params=10**9,
+    )
+    assert step is not None
+    assert (step.compute, step.memory, step.communication) == pytest.approx((1.0, 0.5, 0.1))
+    assert step.seconds == pytest.approx(1.1)
+    assert step.tokens_per_second == pytest.approx(4096 / 1.1)
+    assert step.mfu == pytest.approx(6 * 10**9 * 4096 / (2 * 989e12 * 1.1))
+    assert "compute-bound" in str(step)
+    assert _targets.estimate(_targets.target_named("cpu"), **_estimate_args()) is None
+
+
+def _estimate_args() -> dict:
+    return {
+        "devices": 1,
+        "flops": 1.0,
+        "bytes_per_device": 1.0,
+        "collective_bytes": 0,
+        "tokens": 1,
+        "n_params": 1,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"target": "v9-1024"}, "unknown target 'v9-1024'; choose one of cpu, v4-8"),
+        ({"target": "v5e-8", "devices": 4}, "v5e-8 has 8 devices; plan it with devices=8"),
+        ({"target": "h100-80gb"}, "say how many devices"),
+    ],
+)
+def test_a_target_that_cannot_be_planned_gets_one_clear_line(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        rc.memory_plan(LLAMA, seq_len=32, **kwargs)
+
+
+def test_a_tpu_plan_without_the_tpu_compiler_says_how_to_install_it(monkeypatch) -> None:
+    monkeypatch.setattr(_targets, "tpu_compiler_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"pip install 'redcoast\[tpu\]'"):
+        rc.memory_plan(LLAMA, target="v5e-8", seq_len=32)
+
+
+def test_the_cli_names_the_hardware_and_hints_at_other_targets() -> None:
+    result = CliRunner().invoke(
+        main, ["plan", "llama-7b", "--target", "nope"], catch_exceptions=False
+    )
+    assert result.exit_code == 2 and "'nope' is not one of 'cpu', 'v4-8'" in result.output
+
+
+@pytest.mark.slow
+def test_the_tpu_compiler_plans_a_step_for_a_v5e_8_slice() -> None:
+    pytest.importorskip("libtpu", reason="the TPU compiler installs with redcoast[tpu]")
+    plan = rc.memory_plan(LLAMA, target="v5e-8", fsdp=True, seq_len=64, precision="bf16")
+    assert plan.target == "v5e-8" and plan.layout.devices == 8
+    assert plan.device_memory == 16 * 2**30 and plan.fits
+    cpu = rc.memory_plan(LLAMA, devices=8, fsdp=True, seq_len=64, precision="bf16")
+    # The same step, another compiler: the same parameters per device, its own temporaries.
+    assert plan.params == cpu.params and plan.peak != cpu.peak
+    assert plan.estimate is not None and plan.estimate.flops_per_device > 0
+    assert "of v5e-8" in str(plan)
+
+
+@pytest.mark.slow
+def test_on_the_tpu_compiler_a_scanned_stack_is_estimated_as_the_unrolled_one() -> None:
+    pytest.importorskip("libtpu", reason="the TPU compiler installs with redcoast[tpu]")
+    from redcoast.models.planning import planned
+
+    scanned = planned(LLAMA)
+
+    def unrolled_build(remat: str):
+        return lambda key: rc.models.Llama(LLAMA, key=key, scan_layers=False)
+
+    unrolled = dataclasses.replace(scanned, build=unrolled_build)
+    plans = [
+        rc.memory_plan(m, target="v5e-1", seq_len=64, precision="bf16") for m in (scanned, unrolled)
+    ]
+    steps = [p.estimate for p in plans]
+    assert steps[0] is not None and steps[1] is not None
+    assert steps[0].flops_per_device == pytest.approx(steps[1].flops_per_device, rel=0.02)
+    assert steps[0].bytes_per_device == pytest.approx(steps[1].bytes_per_device, rel=0.3)
