@@ -17,7 +17,11 @@ activations, scores and workspace beyond the inputs and outputs). With `--time`,
 the attention's training pass at 2,048 tokens also runs (after a warm-up; the
 median of `--reps` runs of each, back to back).
 
-Run: python scripts/bench_attention.py [--seqs 2048 8192 32768] [--layers 2] [--time]
+With `--tpu` (JAX with `libtpu` installed, no TPU needed) the attention alone is
+compiled for one chip of a TPU v5e (`jax.experimental.topologies`) in bfloat16,
+with segment ids, by the einsum, blockwise and the Pallas splash kernel.
+
+Run: python scripts/bench_attention.py [--seqs 2048 8192 32768] [--layers 2] [--time] [--tpu]
      (writes bench-results/bench_attention.json)
 """
 
@@ -98,6 +102,36 @@ def llama_step_temp(seq: int, layers: int, implementation: str) -> tuple[float, 
     return temp_mib(step, params, batch)
 
 
+def tpu_attention_temp(seq: int, implementation: str) -> float | None:
+    """The training pass with segment ids, bfloat16, compiled for one TPU v5e chip;
+    None when the compiler finds it does not fit the chip's 16 GB."""
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    q = jax.ShapeDtypeStruct((seq, 16, 128), jnp.bfloat16, sharding=on_chip)
+    kv = jax.ShapeDtypeStruct((seq, 4, 128), jnp.bfloat16, sharding=on_chip)
+    segments = jax.ShapeDtypeStruct((seq,), jnp.int32, sharding=on_chip)
+
+    def train(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array):
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            out = rc.nn.attention(
+                q, k, v, causal=True, segment_ids=segment_ids, implementation=implementation
+            )
+            return out.astype(jnp.float32).sum()
+
+        return jax.value_and_grad(attend, (0, 1, 2))(q, k, v)
+
+    with jax.default_device(device):  # the platform rc.nn.attention compiles for
+        try:
+            compiled = jax.jit(train).lower(q, kv, kv, segments).compile()
+        except jax.errors.JaxRuntimeError as error:
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            return None
+    return compiled.memory_analysis().temp_size_in_bytes / MIB
+
+
 def time_attention(seq: int, reps: int) -> dict[str, float]:
     keys = jax.random.split(jax.random.key(0), 4)
     args = [
@@ -120,9 +154,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--llama-seqs", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--llama-seqs", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--tpu", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench-results/bench_attention.json"))
     args = parser.parse_args()
 
@@ -146,6 +181,22 @@ def main() -> None:
         rows.append({"tokens": seq, "einsum_mib": einsum, "blockwise_mib": blockwise})
         print(f"{seq:>8} {einsum:>12.1f} {blockwise:>14.1f} {blockwise / einsum:>7.3f}")
     results["llama_step"] = rows
+
+    if args.tpu:
+        rows = []
+        print("\nattention alone on one TPU v5e chip (bfloat16, segment ids, head_dim 128)")
+        print(f"{'tokens':>8} {'einsum MiB':>12} {'blockwise MiB':>14} {'pallas MiB':>11}")
+        for seq in args.seqs:
+            row: dict[str, float | None] = {"tokens": seq}
+            for name in ("einsum", "blockwise", "pallas"):
+                row[f"{name}_mib"] = tpu_attention_temp(seq, name)
+            rows.append(row)
+            shown = [
+                "too big" if row[f"{n}_mib"] is None else f"{row[f'{n}_mib']:.1f}"
+                for n in ("einsum", "blockwise", "pallas")
+            ]
+            print(f"{seq:>8} {shown[0]:>12} {shown[1]:>14} {shown[2]:>11}")
+        results["tpu_v5e_attention"] = rows
 
     if args.time:
         seconds = time_attention(2048, args.reps)

@@ -246,14 +246,6 @@ def _blockwise_attention(
     return out.reshape(q.shape)
 
 
-def _platform() -> str:
-    """The platform the computation is for: the active step's mesh's, else JAX's default."""
-    mesh = _kernels.active_mesh()
-    if mesh is not None:
-        return mesh.devices.flat[0].platform
-    return jax.default_backend()
-
-
 def _check(
     q: Array,
     k: Array,
@@ -359,7 +351,7 @@ def _chosen(
         "bias": bias,
         "softcap": softcap,
     }
-    platform = _platform()
+    platform = _kernels.platform()
     if platform == "gpu" and _kernels.cudnn_refusal(q, k, v, **options) is None:
         return "cudnn"
     if platform == "tpu" and _kernels.pallas_refusal(q, k, v, **options) is None:
@@ -419,7 +411,8 @@ def attention(
       kernel's forward again. On several devices it runs under `jax.shard_map` over
       the mesh the step's parallelism names (FSDP, sequence or context
       parallelism): rows over `"data"`, heads over `"model"` where they divide.
-    - `"auto"` (the default): cuDNN on GPU and Pallas on TPU where they apply,
+    - `"auto"` (the default): cuDNN on GPU and Pallas on TPU where they apply (the
+      platform of the step's mesh, else of `jax.default_device`, else JAX's default),
       blockwise where `seq * kv_seq` reaches 1024 x 1024, the einsum below.
 
     Inside a step given context parallelism (`rc.ContextParallel`), causal attention

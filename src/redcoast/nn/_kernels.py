@@ -33,7 +33,15 @@ from jaxtyping import Array
 from ..parallel import _active
 from ._blockwise import scale_of
 
-__all__ = ["active_mesh", "cudnn", "cudnn_refusal", "pallas", "pallas_refusal", "refuse"]
+__all__ = [
+    "active_mesh",
+    "cudnn",
+    "cudnn_refusal",
+    "pallas",
+    "pallas_refusal",
+    "platform",
+    "refuse",
+]
 
 _DATA, _MODEL = "data", "model"
 PALLAS_BLOCK = 128
@@ -44,6 +52,20 @@ def active_mesh() -> Mesh | None:
     """The mesh of the step being traced, when its parallelism names one."""
     active = _active.current()
     return None if active is None else active.mesh
+
+
+def platform() -> str:
+    """The platform the computation is for: the active step's mesh's, else the device
+    `jax.default_device` names, else JAX's default backend."""
+    mesh = active_mesh()
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    device = jax.config.jax_default_device  # type: ignore[attr-defined]
+    if isinstance(device, str):
+        return device
+    if device is not None:
+        return device.platform
+    return jax.default_backend()
 
 
 def refuse(name: str, reason: str | None) -> None:
@@ -74,8 +96,8 @@ def cudnn_refusal(
 ) -> str | None:
     """Why cuDNN's fused attention cannot run this call, or None."""
     del causal, v
-    if jax.default_backend() != "gpu":
-        return f"runs on GPU, and this computation is for {jax.default_backend()}"
+    if (where := platform()) != "gpu":
+        return f"runs on GPU, and this computation is for {where}"
     options = {"mask": mask, "segment_ids": segment_ids, "bias": bias, "softcap": softcap}
     options["kv_segment_ids"] = kv_segment_ids
     if names := _unsupported(**options):
@@ -121,9 +143,8 @@ def pallas_refusal(
     """Why the splash-attention kernel cannot run this call, or None."""
     del window, softcap, v
     mesh = active_mesh()
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    if platform != "tpu":
-        return f"runs on TPU, and this computation is for {platform}"
+    if (where := platform()) != "tpu":
+        return f"runs on TPU, and this computation is for {where}"
     if names := _unsupported(mask=mask, bias=bias):
         return f"takes no {', '.join(names)}"
     seq, kv_seq = q.shape[-3], k.shape[-3]
