@@ -9,10 +9,10 @@ architectures of `tests/architectures.py` (MoE, DiT, ViT, BERT, encoder-decoder,
 scan-over-layers, raw-array MLP), each with its own hand layout, and LoRA GPT-2 and
 LLaMA (rank 8 on every projection) against Megatron-LM's layout with its LoRA. Layouts:
 
-- ours:        redcoast.sharding_rules with example_call (the dataflow rules)
+- ours:        redcoast.sharding_plan with example_call (the dataflow rules)
 - megatron:    the hand-written layout: Megatron-LM's (tests/tiny.py `megatron_specs`)
                for the decoders, the best of the architecture's hand layouts otherwise
-- decl-order:  redcoast.sharding_rules without example_call (alternate by declaration)
+- decl-order:  redcoast.sharding_plan without example_call (alternate by declaration)
 - naive:       every weight split on dim 0
 
 Targets: ours/megatron model-axis bytes <= 1.02, no all-gather of a split weight, and
@@ -283,9 +283,11 @@ def main() -> None:
     parser.add_argument("--out", default="bench-results/bench_comm.json")
     args = parser.parse_args()
     layouts: dict[str, Callable[[str, eqx.Module, int, object], object]] = {
-        "ours": lambda _, m, n, x: rc.sharding_rules(m, n, example_call=lambda mm: forward(mm, x)),
+        "ours": lambda _, m, n, x: (
+            rc.sharding_plan(m, n, example_call=lambda mm: forward(mm, x)).specs
+        ),
         "megatron": hand_layout,
-        "decl-order": lambda _, m, n, x: rc.sharding_rules(m, n),
+        "decl-order": lambda _, m, n, x: rc.sharding_plan(m, n).specs,
         "naive": lambda _, m, n, x: naive_specs(m, n),
     }
     rows = []
