@@ -324,7 +324,7 @@ def small_decoder(arch: str, attention: str = "auto") -> rc.models.AbstractCausa
 
 @pytest.mark.parametrize(
     ("arch", "attention"),
-    [("gpt2", "einsum"), pytest.param("llama", "blockwise", marks=pytest.mark.slow)],
+    [pytest.param("gpt2", "einsum", marks=pytest.mark.slow), ("llama", "blockwise")],
 )
 def test_a_packed_row_loses_what_its_documents_lose_alone(arch: str, attention: str) -> None:
     # GPT-2's learned positions and LLaMA's rotary ones both restart with each document.
@@ -359,6 +359,7 @@ def test_a_packed_row_loses_what_its_documents_lose_alone(arch: str, attention: 
     assert abs(float(nll[4]) - float(nll[0])) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_zoo_attends_blockwise_as_with_the_einsum() -> None:
     ids = jnp.asarray(np.random.default_rng(2).integers(2, VOCAB, 32).astype(np.int32))
     segment_ids = jnp.asarray(np.repeat([0, 1, 2], [10, 16, 6]).astype(np.int32))
