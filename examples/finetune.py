@@ -29,7 +29,8 @@ def perplexity(model, rows, mesh, batch_size: int) -> float:
     """exp(mean negative log-likelihood per counted token) over `rows`."""
 
     def pred_fn(m, batch, key):
-        nll, n = rc.models.next_token_nll(m, batch["input_ids"], batch["loss_mask"])
+        documents = {k: batch.get(k) for k in ("segment_ids", "positions")}  # packed rows
+        nll, n = rc.models.next_token_nll(m, batch["input_ids"], batch["loss_mask"], **documents)
         return {"nll": nll, "n": n}
 
     how = {"collate_fn": rc.text.collate, "mesh": mesh, "per_device_batch_size": batch_size}

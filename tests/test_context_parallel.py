@@ -314,3 +314,87 @@ def test_other_bad_inputs_are_refused_clearly():
             causal=True,
             strategy="tree",  # type: ignore[arg-type]
         )
+
+
+def packed_segments(batch: int, seq: int) -> jax.Array:
+    """Documents of uneven lengths packed into each row, crossing the devices' blocks."""
+    rows = [[0] * 11 + [1] * 13 + [2] * (seq - 24), [0] * 3 + [1] * (seq - 9) + [2] * 6]
+    rows += [[0] * seq] * (batch - 2)
+    return jnp.asarray(rows[:batch], jnp.int32)
+
+
+_RING_OPTIONS = {
+    "segments": {"segment_ids": True},
+    "window": {"window": 6},
+    "softcap": {"softcap": 2.0},
+    "all": {"segment_ids": True, "window": 9, "softcap": 3.0, "padding": True},
+}
+_RING_GRID = [
+    pytest.param(
+        options,
+        strategy,
+        n,
+        block,
+        id=f"{options}-{strategy}-{n}-block{block}",
+        marks=() if (options, strategy, n, block) in {("all", "ring", 4, 4)} else pytest.mark.slow,
+    )
+    for options in _RING_OPTIONS
+    for strategy in ("ring", "all_gather")
+    for n in (2, 4, 8)
+    for block in (None, 4)
+    if not (strategy == "all_gather" and block is not None)
+]
+
+
+@pytest.mark.parametrize(("options", "strategy", "n", "block"), _RING_GRID)
+def test_the_ring_with_segments_windows_and_softcaps_equals_unsplit_attention(
+    options, strategy, n, block
+):
+    q, k, v, cotangent = inputs()
+    given = dict(_RING_OPTIONS[options])
+    segments = packed_segments(2, 32) if given.pop("segment_ids", False) else None
+    mask = padding(2, 32) if given.pop("padding", False) else None
+    mesh = seq_mesh(n)
+
+    def split(q, k, v):
+        return rc.context_parallel_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            axis="seq",
+            causal=True,
+            mask=mask,
+            segment_ids=segments,
+            strategy=strategy,
+            block_size=block,
+            **given,
+        )
+
+    def reference(q, k, v):
+        visible = None if mask is None else mask[:, None, :]
+        return rc.nn.attention(
+            q,
+            k,
+            v,
+            causal=True,
+            mask=visible,
+            segment_ids=segments,
+            implementation="einsum",
+            **given,
+        )
+
+    assert_same(
+        value_and_grads(split, q, k, v, cotangent), value_and_grads(reference, q, k, v, cotangent)
+    )
+
+
+def test_a_block_size_that_does_not_divide_a_share_and_bad_segments_are_refused():
+    q, k, v, _ = inputs()
+    mesh = seq_mesh(4)
+    with pytest.raises(ValueError, match=r"block_size=3 does not divide each device's 8 queries"):
+        rc.context_parallel_attention(q, k, v, mesh=mesh, axis="seq", causal=True, block_size=3)
+    with pytest.raises(ValueError, match=r"segment_ids of shape \(2, 30\) do not match"):
+        rc.context_parallel_attention(
+            q, k, v, mesh=mesh, axis="seq", causal=True, segment_ids=jnp.zeros((2, 30), int)
+        )

@@ -92,11 +92,13 @@ def steps(
     n_model: int | None,
     *,
     accumulate: int = 1,
+    documents: dict | None = None,
     **options,
 ) -> tuple[eqx.Module, list[float]]:
     """Two SGD steps; on one device (`n_model=None`) or on `make_mesh(n_model)` with
-    every sequence split over the data axis, the batch given whole to every device."""
-    batch = {"input_ids": jnp.asarray(rows)}
+    every sequence split over the data axis, the batch given whole to every device
+    (with `documents`: the rows' `segment_ids` and `positions`)."""
+    batch = {"input_ids": jnp.asarray(rows), **(documents or {})}
     key = jax.random.key(0)
     context = None
     if n_model is not None:
@@ -154,6 +156,27 @@ def test_scanned_llama_on_4x2_with_two_rows_equals_one_device() -> None:
 def test_the_step_equals_one_device_beside_every_other_split(arch, scan, n_model, options):
     want = steps(zoo(arch, scan), ROWS, None, accumulate=options.get("accumulate", 1))
     assert_same(steps(zoo(arch, scan), ROWS, n_model, **options), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [("gpt2", {"sequence_parallel": True}), ("llama", {"fsdp": True})],
+    ids=["gpt2-cp4-tp2-sp", "llama-scan-cp4-tp2-fsdp"],
+)
+def test_packed_documents_split_over_the_ring_equal_one_device(arch: str, options: dict) -> None:
+    # Documents crossing the 4 devices' blocks of each row, and one within a block.
+    lengths = [[3, 9, 4], [11, 5], [16], [2, 2, 12]]
+    segments = [np.repeat(np.arange(len(ls)), ls) for ls in lengths]
+    positions = [np.concatenate([np.arange(n) for n in ls]) for ls in lengths]
+    documents = {
+        "segment_ids": jnp.asarray(np.stack(segments), jnp.int32),
+        "positions": jnp.asarray(np.stack(positions), jnp.int32),
+    }
+    rows = ROWS[:4]
+    want = steps(zoo(arch, arch == "llama"), rows, None, documents=documents)
+    got = steps(zoo(arch, arch == "llama"), rows, 2, documents=documents, **options)
+    assert_same(got, want)
 
 
 def test_a_users_model_with_its_own_split_attention_equals_one_device() -> None:

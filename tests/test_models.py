@@ -302,3 +302,84 @@ def test_shape_mismatch_is_named(gpt2_folder: Path, tmp_path: Path) -> None:
     (folder / "model.safetensors").write_bytes((gpt2_folder / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=r"does not use: \['transformer.h.1"):
         rc.models.from_hf(folder)
+
+
+def small_decoder(arch: str, attention: str = "auto") -> rc.models.AbstractCausalLM:
+    if arch == "gpt2":
+        config = rc.models.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4
+        )
+        return rc.models.GPT2(config, attention=attention, key=jax.random.key(1))
+    config = rc.models.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    return rc.models.Llama(config, attention=attention, key=jax.random.key(1))
+
+
+@pytest.mark.parametrize(
+    ("arch", "attention"),
+    [pytest.param("gpt2", "einsum", marks=pytest.mark.slow), ("llama", "blockwise")],
+)
+def test_a_packed_row_loses_what_its_documents_lose_alone(arch: str, attention: str) -> None:
+    # GPT-2's learned positions and LLaMA's rotary ones both restart with each document.
+    model = small_decoder(arch, attention)
+    lengths, seq = (5, 9, 2), 16
+    ids = np.random.default_rng(1).integers(2, VOCAB, seq).astype(np.int32)
+    segments = np.repeat(np.arange(3), lengths).astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+    # Row 0: the packed row; rows 1-3: each document alone at the start of a row, the
+    # rest of it padding that is not counted; row 4: the packed row as one document.
+    rows, row_segments, row_positions, masks = [ids], [segments], [positions], [np.ones(seq)]
+    for a, n in zip(np.cumsum((0, *lengths[:-1])), lengths, strict=True):
+        rows.append(np.concatenate([ids[a : a + n], np.full(seq - n, 2, np.int32)]))
+        row_segments.append((np.arange(seq) >= n).astype(np.int32))
+        row_positions.append(np.arange(seq, dtype=np.int32))
+        masks.append(np.arange(seq) < n)
+    rows.append(ids)
+    row_segments.append(np.zeros(seq, np.int32))
+    row_positions.append(positions)
+    masks.append(positions > 0)  # the same targets as row 0's
+    nll, count = eqx.filter_jit(rc.models.next_token_nll)(
+        model,
+        np.stack(rows),
+        np.stack(masks).astype(bool),
+        segment_ids=np.stack(row_segments),
+        positions=np.stack(row_positions),
+    )
+    assert float(count[0]) == sum(n - 1 for n in lengths) == float(count[1:4].sum())
+    assert float(count[4]) == float(count[0])
+    np.testing.assert_allclose(nll[0], nll[1:4].sum(), rtol=1e-5, atol=1e-5)
+    # Without the segments the row's later documents read the earlier ones.
+    assert abs(float(nll[4]) - float(nll[0])) > 1e-3
+
+
+@pytest.mark.slow
+def test_the_zoo_attends_blockwise_as_with_the_einsum() -> None:
+    ids = jnp.asarray(np.random.default_rng(2).integers(2, VOCAB, 32).astype(np.int32))
+    segment_ids = jnp.asarray(np.repeat([0, 1, 2], [10, 16, 6]).astype(np.int32))
+    plain, blocks = small_decoder("llama", "einsum"), small_decoder("llama", "blockwise")
+
+    def loss(model: rc.models.AbstractCausalLM) -> jax.Array:
+        return model(ids, segment_ids=segment_ids).sum()
+
+    run = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    want, got = run(plain), run(blocks)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_positions_and_segment_ids_of_the_wrong_shape_are_named() -> None:
+    model = small_decoder("gpt2")
+    # jaxtyping's check (a TypeError) comes first in the tests; users get the ValueError.
+    with pytest.raises(
+        (ValueError, TypeError), match=r"segment_ids of shape|parameter 'segment_ids'"
+    ):
+        model(jnp.arange(8), segment_ids=jnp.zeros(7, jnp.int32))
+    with pytest.raises((ValueError, TypeError), match=r"positions of shape|parameter 'positions'"):
+        model(jnp.arange(8), positions=jnp.zeros((1, 8), jnp.int32))

@@ -79,6 +79,33 @@ def test_packing_equals_run_clm_group_texts(tok, tmp_path):
     tail = rows[len(rows) - 3 :]
     assert len(tail) == 3
     np.testing.assert_array_equal(tail[0]["input_ids"], blocks[-3])
+    old = rc.text.packed(tokens, 64, separate_documents=False)
+    assert set(old[0]) == {"input_ids", "loss_mask"}
+
+
+def test_packed_rows_say_where_their_documents_are(tok, tmp_path):
+    docs = _docs()
+    tokens = rc.text.tokenize(docs, tok, tmp_path / "tok", progress=False)
+    eos = tok.token_to_id(EOS)
+    rows = rc.text.packed(tokens, 64)
+    stream = np.asarray(tokens.tokens)
+    # Each document ends with EOS: a new segment starts right after every EOS, and
+    # only there; positions count from each start, and from each row's first token.
+    seen_documents = 0
+    for i, row in enumerate(rows):
+        segments, positions = row["segment_ids"], row["positions"]
+        assert segments.dtype == positions.dtype == np.int32
+        assert segments[0] == 0 and positions[0] == 0
+        starts = np.flatnonzero(np.diff(segments)) + 1
+        np.testing.assert_array_equal(np.diff(segments)[starts - 1], 1)
+        ends = np.flatnonzero(stream[i * 64 : (i + 1) * 64] == eos)
+        np.testing.assert_array_equal(starts, ends[ends < 63] + 1)
+        for a, b in zip([0, *starts], [*starts, 64], strict=True):
+            np.testing.assert_array_equal(positions[a:b], np.arange(b - a))
+        seen_documents += len(starts)
+    assert seen_documents > 3
+    batch = rc.text.collate([rows[0], rows[1]])
+    assert batch["segment_ids"].shape == batch["positions"].shape == (2, 64)
 
 
 def test_a_long_file_tokenized_in_pieces_equals_the_whole_document(tok, tmp_path):
@@ -271,7 +298,8 @@ def _fit_lm(examples, collate_fn, tmp_path=None):
 @pytest.mark.slow
 def test_fit_takes_packed_rows_a_memmap_and_a_datasets_dataset(tok, tmp_path):
     tokens = rc.text.tokenize(_docs(40), tok, tmp_path / "tok", progress=False)
-    rows = rc.text.packed(tokens, 64)
+    # run_clm.py's rows, which a memmap of ids holds whole.
+    rows = rc.text.packed(tokens, 64, separate_documents=False)
     packed = _fit_lm(rows, rc.text.collate)
     losses = [r["loss"] for r in packed.history["train"]]
     assert losses[-1] < losses[0]

@@ -100,12 +100,22 @@ class AbstractCausalLM(hf.HFModel):
         return self(jnp.asarray(hf.TRACE_IDS))
 
     def __call__(
-        self, input_ids: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+        self,
+        input_ids: Int[Array, " seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq vocab"]:
         """Next-token logits at every position of one sequence.
 
         Args:
             input_ids: token ids of one sequence (vmap for a batch).
+            positions: each token's position (rotary angles, or the row of the
+                position table); default `0, 1, ..., seq - 1`. Documents packed into
+                one row restart theirs at 0 (`rc.text.packed`).
+            segment_ids: which document each token belongs to; a token then attends
+                only to earlier tokens of its own document. Default: one document.
             key: accepted for the Equinox calling convention; the models have no
                 dropout, so it is unused.
 
@@ -113,9 +123,17 @@ class AbstractCausalLM(hf.HFModel):
             Logits, `(seq, vocab)`.
 
         Raises:
-            ValueError: the sequence is longer than the position table (GPT-2, OPT).
+            ValueError: the sequence is longer than the position table (GPT-2, OPT),
+                or `positions` or `segment_ids` are not one per token.
             RuntimeError: when the computation runs, a token id is outside
-                `[0, vocab_size)` (see `checks.check_range`).
+                `[0, vocab_size)`, or a position outside the position table (see
+                `checks.check_range`).
+
+        Example:
+            >>> ids = jnp.arange(8)
+            >>> segments = jnp.array([0, 0, 0, 1, 1, 1, 1, 1])   # two documents
+            >>> positions = jnp.array([0, 1, 2, 0, 1, 2, 3, 4])
+            >>> logits = model(ids, positions=positions, segment_ids=segments)
         """
         del key
         seq = input_ids.shape[0]
@@ -126,8 +144,25 @@ class AbstractCausalLM(hf.HFModel):
                 f"{limit} positions (config max_position_embeddings / n_positions); the "
                 f"sequence length must be in [1, {limit}]. Truncate or split the sequence."
             )
-        positions = jnp.arange(seq)
-        x, _ = self._blocks(self._embed(input_ids, positions), positions, None, 0)
+        for name, given in (("positions", positions), ("segment_ids", segment_ids)):
+            if given is not None and given.shape != input_ids.shape:
+                raise ValueError(
+                    f"{type(self).__name__}: {name} of shape {given.shape} do not match "
+                    f"input_ids of shape {input_ids.shape}; give one per token (vmap the "
+                    "model over a batch, with its rows' ids, positions and segment ids)."
+                )
+        if positions is None:
+            positions = jnp.arange(seq)
+        elif limit is not None:
+            positions = check_range(
+                positions,
+                0,
+                limit,
+                "positions",
+                f"{type(self).__name__}'s position table has {limit} positions.",
+            )
+        x = self._embed(input_ids, positions)
+        x, _ = self._blocks(x, positions, None, 0, segment_ids)
         return self._logits(x)
 
     def decode(
@@ -229,6 +264,7 @@ class AbstractCausalLM(hf.HFModel):
         positions: Real[Array, " seq"],
         cache: Cache | None,
         index: Int[Array, ""] | int,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq hidden"], Cache | None]:
         # Training runs each block under the remat policy; the cached (decoding) path
         # computes no gradients, so there is nothing to rematerialise.
@@ -237,7 +273,7 @@ class AbstractCausalLM(hf.HFModel):
         def layer(
             block: DecoderBlock, h: Float[Array, "seq hidden"], c: KVCache | None
         ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-            return block(h, positions, c, index)
+            return block(h, positions, c, index, segment_ids)
 
         use = fsdp.layouts(self).blocks
         x, new = run_stack(self.blocks, x, cache, layer, use, policy)

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import Norm, RematPolicy, check_remat
+from ..nn import Implementation, Norm, RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks
@@ -72,6 +72,9 @@ class GPT2(AbstractCausalLM):
         remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
             (keep the projections' outputs), `"attention"` (all but attention's scores)
             or `"full"` (see `rc.remat`).
+        attention: how attention computes: `"auto"`, `"einsum"` (the score matrix
+            written out), `"blockwise"` (flash-style blocks that never hold it),
+            `"cudnn"` or `"pallas"` (see `rc.nn.attention`).
         key: for the random initialisation, as `transformers`': weights and embeddings
             N(0, `initializer_range`), the residual projections (attention's and the
             MLP's `c_proj`) N(0, `initializer_range / sqrt(2 * n_layer)`), zero biases.
@@ -102,6 +105,7 @@ class GPT2(AbstractCausalLM):
         *,
         scan_layers: bool = False,
         remat: str = "none",
+        attention: Implementation = "auto",
         key: PRNGKeyArray,
     ):
         c = config
@@ -118,6 +122,7 @@ class GPT2(AbstractCausalLM):
                 qkv_bias=True,
                 out_bias=True,
                 recompute_scores=remat == "attention",
+                implementation=attention,
                 key=ka,
             )
             mlp = MLP(

@@ -21,7 +21,7 @@ from einops import rearrange
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
-from ..nn import Norm, attention, dense, normalise
+from ..nn import Implementation, Norm, attention, check_implementation, dense, normalise
 from .checks import check_range
 
 
@@ -132,6 +132,8 @@ class Attention(eqx.Module):
         out_bias: the output projection has a bias.
         recompute_scores: keep only Q, K and V for the backward pass and compute the
             scores again there (remat's `"attention"` policy).
+        implementation: how `rc.nn.attention` computes (`"auto"`, `"einsum"`,
+            `"blockwise"`, `"cudnn"`, `"pallas"`; see its docstring).
         key: for the initialisation.
 
     Example:
@@ -151,6 +153,7 @@ class Attention(eqx.Module):
     rope_base: float = eqx.field(static=True)
     rope_interleaved: bool = eqx.field(static=True)
     recompute_scores: bool = eqx.field(static=True)
+    implementation: Implementation = eqx.field(static=True)
 
     def __init__(
         self,
@@ -165,6 +168,7 @@ class Attention(eqx.Module):
         qkv_bias: bool = False,
         out_bias: bool = False,
         recompute_scores: bool = False,
+        implementation: Implementation = "auto",
         key: PRNGKeyArray,
     ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -185,14 +189,27 @@ class Attention(eqx.Module):
         self.rope_base = rope_base
         self.rope_interleaved = rope_interleaved
         self.recompute_scores = recompute_scores
+        self.implementation = check_implementation(implementation)
 
     def __call__(
-        self, x: Float[Array, "seq hidden"], positions: Real[Array, " seq"] | None = None
+        self,
+        x: Float[Array, "seq hidden"],
+        positions: Real[Array, " seq"] | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "seq hidden"]:
-        """Attend causally within `x`; `positions` default to `0, 1, ..., seq - 1`."""
+        """Attend causally within `x`, and within each document when `segment_ids` say
+        which one each token belongs to; `positions` default to `0, 1, ..., seq - 1`."""
         pos = jnp.arange(x.shape[0]) if positions is None else positions
         q, k, v = self._qkv(x, pos)
-        out = attention(q, k, v, causal=True, recompute=self.recompute_scores)
+        out = attention(
+            q,
+            k,
+            v,
+            causal=True,
+            segment_ids=segment_ids,
+            recompute=self.recompute_scores,
+            implementation=self.implementation,
+        )
         return dense(self.o_proj, rearrange(out, "s h d -> s (h d)"))
 
     def cached(
@@ -362,6 +379,7 @@ class DecoderBlock(eqx.Module):
         positions: Real[Array, " seq"],
         cache: KVCache | None = None,
         index: Int[Array, ""] | int = 0,
+        segment_ids: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
         """Run the layer on one sequence.
 
@@ -370,6 +388,8 @@ class DecoderBlock(eqx.Module):
             positions: the position of each token, for rotary embeddings.
             cache: keys and values of earlier tokens; `None` to attend within `x` only.
             index: with a cache, the slot of `x[0]` (see `Attention.cached`).
+            segment_ids: without a cache, the document of each token: a token attends
+                within its own (documents packed into one row).
 
         Returns:
             The new hidden states, and the cache with `x`'s keys and values written
@@ -377,7 +397,7 @@ class DecoderBlock(eqx.Module):
         """
         h = normalise(self.attn_norm, x)
         if cache is None:
-            attn = self.attn(h, positions)
+            attn = self.attn(h, positions, segment_ids)
         else:
             attn, cache = self.attn.cached(h, positions, cache, index)
         if self.mlp_norm is None:

@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import Norm, RematPolicy, check_remat
+from ..nn import Implementation, Norm, RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks
@@ -99,6 +99,9 @@ class Llama(AbstractCausalLM):
         remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
             (keep the projections' outputs), `"attention"` (all but attention's scores)
             or `"full"` (see `rc.remat`).
+        attention: how attention computes: `"auto"`, `"einsum"` (the score matrix
+            written out), `"blockwise"` (flash-style blocks that never hold it),
+            `"cudnn"` or `"pallas"` (see `rc.nn.attention`).
         key: for the random initialisation, as `transformers`': weights and embeddings
             N(0, `initializer_range`), zero biases, the padding token's embedding zero.
 
@@ -129,6 +132,7 @@ class Llama(AbstractCausalLM):
         *,
         scan_layers: bool = False,
         remat: str = "none",
+        attention: Implementation = "auto",
         key: PRNGKeyArray,
     ):
         c = config
@@ -150,6 +154,7 @@ class Llama(AbstractCausalLM):
                     qkv_bias=c.attention_bias,
                     out_bias=c.attention_bias,
                     recompute_scores=remat == "attention",
+                    implementation=attention,
                     key=ka,
                 ),
                 eqx.nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps, use_bias=False),

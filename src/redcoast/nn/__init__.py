@@ -3,13 +3,18 @@
 `dense` runs a Linear (or a module standing for one, `AbstractProjection`) over
 every token at once; `AbstractTable` stands for a token table; `normalise` runs a
 LayerNorm or RMSNorm with a closed-form gradient; `attention` is scaled
-dot-product attention, split over the sequence under context parallelism; `remat`
+dot-product attention (the score matrix written out, flash-style blocks that never
+hold it, or the accelerator's kernels), split over the sequence under context
+parallelism; `remat`
 recomputes a function in the backward pass. The zoo is written with them, and so
 may a user's own model: LoRA wraps what `dense` runs, sequence parallelism splits
 it, and `attention` runs over a sequence that `rc.ContextParallel` splits.
 """
 
+from ._attention import IMPLEMENTATIONS as IMPLEMENTATIONS
+from ._attention import Implementation as Implementation
 from ._attention import attention as attention
+from ._attention import check_implementation as check_implementation
 from ._layers import AbstractProjection as AbstractProjection
 from ._layers import AbstractTable as AbstractTable
 from ._layers import Norm as Norm

@@ -3,7 +3,8 @@
 A step activates its `Parallelism` while it traces the user's function, and the
 building blocks that must act on it read it here: `fsdp.layouts` (which weights
 are stored split over the data axis, gathered where they are used) and
-`nn.attention` (whether the sequence is split: context parallelism). Nothing is
+`nn.attention` (whether the sequence is split: context parallelism; the mesh a
+kernel that XLA cannot partition runs over). Nothing is
 stored in the model; outside an activation nothing is active, and the blocks
 compute as on one device.
 
@@ -32,11 +33,14 @@ class Active:
     Attributes:
         gathers: `id(array) -> fsdp.Layout` of the arrays the step handed over.
         context: the `ContextParallel` the sequence is split by, or None.
+        mesh: the mesh the step's parallelism names, or None (`nn.attention`'s
+            Pallas kernel runs under a `shard_map` over it).
         attention_calls: how many attention computations consulted the split.
     """
 
     gathers: dict[int, Any]
     context: Any = None
+    mesh: Any = None
     attention_calls: int = 0
 
 

@@ -14,8 +14,9 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float, Int, PyTree
 
+from ..nn._blockwise import default_block
 from ._ring import STRATEGIES, context_parallel_attention
 from .mesh import DATA
 
@@ -32,7 +33,9 @@ class ContextParallel:
     (embeddings, norms, projections, the loss) need nothing: the compiler keeps them
     split along the sequence. Attention is the one place where tokens meet:
     `redcoast.nn.attention` (the zoo's decoders', or a user's model's) then runs
-    `context_parallel_attention` over `axis`, causally. A model that attends
+    `context_parallel_attention` over `axis`, causally, with the attention's window,
+    soft-cap and segment ids, each device's share in blocks (blockwise attention)
+    unless the attention asks for `implementation="einsum"`. A model that attends
     otherwise, or not at all, is refused: its attention would gather the whole
     sequence on every device.
 
@@ -84,8 +87,26 @@ class ContextParallel:
         q: Float[Array, "*batch seq heads head_dim"],
         k: Float[Array, "*batch seq kv_heads head_dim"],
         v: Float[Array, "*batch seq kv_heads head_dim"],
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        segment_ids: Int[Array, "..."] | None = None,
+        kv_segment_ids: Int[Array, "..."] | None = None,
+        blockwise: bool = True,
+        block_size: int | tuple[int, int] | None = None,
     ) -> Float[Array, "*batch seq heads head_dim"]:
         """Causal attention of `q` to `k` and `v`, the sequence split over `axis`.
+
+        Args:
+            q, k, v: as for `rc.nn.attention`.
+            window, softcap, scale, segment_ids, kv_segment_ids: as for
+                `rc.nn.attention`.
+            blockwise: each device's share of the sequence in blocks (`block_size`,
+                by default the largest divisor of the share up to 512), so no device
+                holds a share's whole `(share, share)` scores; False: one block per
+                ring step.
+            block_size: queries and keys per block within a device's share.
 
         Raises:
             ValueError: the axis's size does not divide the sequence.
@@ -99,8 +120,22 @@ class ContextParallel:
                 "block_size, or padding in collate_fn; rc.models.lm_loss runs the model on "
                 "whole rows), or use a mesh whose data axis divides the rows' length."
             )
+        if blockwise and block_size is None and self.strategy == "ring":
+            block_size = default_block(seq // n)
         return context_parallel_attention(
-            q, k, v, mesh=self.mesh, axis=self.axis, causal=True, strategy=self.strategy
+            q,
+            k,
+            v,
+            mesh=self.mesh,
+            axis=self.axis,
+            causal=True,
+            strategy=self.strategy,
+            window=window,
+            softcap=softcap,
+            scale=scale,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            block_size=block_size if self.strategy == "ring" else None,
         )
 
     def constrain(self, batch: PyTree) -> PyTree:

@@ -132,6 +132,20 @@ class Parallelism:
             context = ContextParallel(mesh)
         return cls(fsdp, sequence, context)
 
+    @property
+    def mesh(self) -> Mesh | None:
+        """The mesh the split is over, when a part of it names one (FSDP's stored
+        weights, sequence or context parallelism); None for data or tensor parallelism
+        alone, which the arrays' shardings carry."""
+        if self.context is not None:
+            return self.context.mesh
+        if self.sequence is not None:
+            return self.sequence.mesh
+        if self.fsdp is not None and self.fsdp.shardings:
+            mesh = self.fsdp.shardings[0][1].mesh
+            return mesh if isinstance(mesh, Mesh) else None
+        return None
+
     @contextlib.contextmanager
     def applied(self, model: PyTree, batch: PyTree = None) -> Iterator[tuple[PyTree, PyTree]]:
         """Active around the user's function: `with p.applied(model, batch) as (model, batch):`.
@@ -152,7 +166,7 @@ class Parallelism:
             model = self.sequence.apply(model)
         if self.context is not None:
             batch = self.context.constrain(batch)
-        active = _active.Active(gathers, self.context)
+        active = _active.Active(gathers, self.context, self.mesh)
         with _active.activated(active):
             yield model, batch
         if self.context is not None and active.attention_calls == 0:

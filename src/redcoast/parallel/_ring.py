@@ -11,111 +11,85 @@ whole sequence without any device ever holding all of it:
   as flash attention does). The ring is unrolled, one step per device of the axis,
   so XLA can overlap each hop with the arithmetic on the block in hand. A device
   holds scores for one block of queries against one block of keys, `(seq / n)^2`
-  per head, never against the whole sequence. The gradient is a second trip around
-  the ring (a custom VJP): each key/value block travels with its gradient
-  accumulators and comes home after the last step, so the backward pass keeps only
-  the inputs, the output and two numbers per query from the forward.
+  per head, never against the whole sequence -- or, with `block_size`, blocks of
+  that many queries and keys within each step (blockwise attention,
+  `nn/_blockwise.py`, whose arithmetic every step runs). The gradient is a second
+  trip around the ring (a custom VJP): each key/value block travels with its
+  gradient accumulators and comes home after the last step, so the backward pass
+  keeps only the inputs, the output and one number per query from the forward.
 - `strategy="all_gather"`: every device gathers the whole keys and values
   (`jax.lax.all_gather`) and attends its queries to them: fewer, larger collectives
   and plain autodiff, but scores of `seq / n` queries against all `seq` keys.
 
 With `causal=True` device `i`'s queries see all of blocks `< i`, block `i` causally,
-and nothing of blocks `> i`: the ring skips those blocks' arithmetic.
+and nothing of blocks `> i`: the ring skips those blocks' arithmetic, as it skips
+blocks wholly outside a sliding `window` and blocks that share no segment id with
+the queries (documents packed into one row; the segment ids travel with the keys).
+Scores may be soft-capped (`softcap`).
 
-The numbers are those of the zoo's attention (`redcoast.models.Attention`): scores
-scaled by `1 / sqrt(head_dim)`, masked with float32's lowest value (so a query that
-sees no key at all averages every value, as a softmax over equal scores does), the
-softmax in float32 whatever the inputs' dtype, and grouped-query heads (each
-key/value head serves `heads // kv_heads` consecutive query heads).
+The numbers are those of `rc.nn.attention`: scores scaled by `1 / sqrt(head_dim)`,
+masked with float32's lowest value (so a query that sees no key at all averages
+every value, as a softmax over equal scores does), the softmax in float32 whatever
+the inputs' dtype, and grouped-query heads (each key/value head serves
+`heads // kv_heads` consecutive query heads).
 """
 
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from einops import rearrange
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from ..nn._blockwise import (
+    LOWEST,
+    Blocks,
+    Tokens,
+    default_block,
+    finish,
+    fold,
+    full_like,
+    grads,
+    grouped,
+    init_state,
+    scale_of,
+    ungrouped,
+    unseen_value_grads,
+)
 from . import _active
 
 __all__ = ["context_parallel_attention"]
 
-_LOWEST = float(jnp.finfo(jnp.float32).min)
 _F32 = jnp.float32
 STRATEGIES = ("ring", "all_gather")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """What every device needs to know about the split: static, hashable."""
+    """What every device needs to know about the split: static, hashable.
+
+    `blocks` are the block sizes within one device's share of the sequence (the whole
+    share: one block of scores per ring step) and the score function; `n_keys` the
+    whole sequence's keys.
+    """
 
     axis: str
     size: int
-    causal: bool
-    scale: float
+    blocks: Blocks
+    n_keys: int
+    segments: bool
 
 
 # Shapes inside the split, on one device: queries `(b k g t d)` -- batch, key/value
 # head, query head within its group, query token, feature -- and keys/values
 # `(b s k d)`; scores and probabilities `(b k g t s)`; running statistics `(b k g t)`.
-
-
-def _scores(q: Array, k: Array, visible: Array, scale: float) -> Array:
-    scores = jnp.einsum("bkgtd,bskd->bkgts", q, k, preferred_element_type=_F32) * scale
-    return jnp.where(visible, scores, _LOWEST)
-
-
-def _weighted_values(p: Array, v: Array) -> Array:
-    return jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=_F32)
-
-
-def _visible(mask: Array, *, diagonal: bool) -> Array:
-    """Which keys of a block each query sees, broadcast to `(b 1 1 t s)`.
-
-    `diagonal`: the block holds the same positions as the queries (causal).
-    """
-    visible = mask[:, None, None, None, :]
-    if diagonal:
-        n = mask.shape[1]
-        visible = visible & jnp.tril(jnp.ones((n, n), dtype=bool))
-    return visible
-
-
-def _first_block(q: Array, k: Array, v: Array, visible: Array, scale: float) -> tuple[Array, ...]:
-    scores = _scores(q, k, visible, scale)
-    m = scores.max(-1)
-    p = jnp.exp(scores - m[..., None])
-    return _weighted_values(p, v), m, p.sum(-1)
-
-
-def _next_block(
-    state: tuple[Array, ...], q: Array, k: Array, v: Array, visible: Array, scale: float
-) -> tuple[Array, ...]:
-    o, m, total = state
-    scores = _scores(q, k, visible, scale)
-    m_new = jnp.maximum(m, scores.max(-1))
-    rescale = jnp.exp(m - m_new)
-    p = jnp.exp(scores - m_new[..., None])
-    return o * rescale[..., None] + _weighted_values(p, v), m_new, total * rescale + p.sum(-1)
-
-
-def _unseen_block(state: tuple[Array, ...], v: Array) -> tuple[Array, ...]:
-    """A block wholly in every query's future: all its scores are the lowest float.
-
-    Such a score weighs `exp(lowest - m)`: 0 once a query has seen a key, 1 for a
-    query that has seen none yet (`m` still the lowest float), which then averages
-    every value as the unsplit softmax does. No `(t, s)` arithmetic is needed.
-    """
-    o, m, total = state
-    weight = jnp.exp(_LOWEST - m)
-    values = v.astype(_F32).sum(1)[:, :, None, None, :]  # (b k 1 1 d)
-    return o + weight[..., None] * values, m, total + weight * v.shape[1]
+# The arithmetic of each step is `nn/_blockwise.py`'s, which skips the blocks of a
+# step that no query sees (the causal future, outside the window, no shared segment).
 
 
 def _ring_permute(x: Array, layout: _Layout) -> Array:
@@ -124,154 +98,130 @@ def _ring_permute(x: Array, layout: _Layout) -> Array:
     return jax.lax.ppermute(x, layout.axis, pairs)
 
 
-def _grouped(q: Array, kv_heads: int) -> Array:
-    return rearrange(q, "b t (k g) d -> b k g t d", k=kv_heads)
+def _split(layout: _Layout, q: Array, k: Array, keep: Array, segments: tuple[Array, ...]):
+    """This device's queries, and where the block of keys `k` that came from `step`
+    devices back starts, as `Tokens`."""
+    me = jax.lax.axis_index(layout.axis)
+    q_seg = segments[0] if layout.segments else None
+    queries = Tokens(start=me * q.shape[1], segment_ids=q_seg)
 
+    def keys(step: int, keep: Array, kv_seg: Array | None) -> Tokens:
+        source = (me - step) % layout.size
+        return Tokens(start=source * k.shape[1], segment_ids=kv_seg, valid=keep)
 
-def _ungrouped(x: Array) -> Array:
-    return rearrange(x, "b k g t d -> b t (k g) d")
+    return queries, keys
 
 
 def _ring_forward(
-    layout: _Layout, q: Array, k: Array, v: Array, mask: Array
-) -> tuple[Array, tuple[Array, ...]]:
-    qg = _grouped(q, k.shape[2])
-    me = jax.lax.axis_index(layout.axis)
-    block = (k, v, mask)
-    state = _first_block(qg, k, v, _visible(mask, diagonal=layout.causal), layout.scale)
-    for step in range(1, layout.size):
-        # Now the block of device me - step. Its hop depends only on the previous block,
-        # not on the arithmetic with it, so the two can overlap.
-        block = jax.tree.map(lambda x: _ring_permute(x, layout), block)
-        bk, bv, bmask = block
-
-        def seen(
-            st: tuple[Array, ...], bk: Array = bk, bv: Array = bv, bmask: Array = bmask
-        ) -> tuple[Array, ...]:
-            return _next_block(st, qg, bk, bv, _visible(bmask, diagonal=False), layout.scale)
-
-        if layout.causal:  # the block came from device me - step: in the past iff step <= me
-            state = jax.lax.cond(step <= me, seen, lambda st, bv=bv: _unseen_block(st, bv), state)
-        else:
-            state = seen(state)
-    o, m, total = state
-    out = _ungrouped(o / total[..., None]).astype(q.dtype)
-    return out, (q, k, v, mask, out, m, total)
+    layout: _Layout, q: Array, k: Array, v: Array, keep: Array, *segments: Array
+) -> tuple[Array, tuple[Any, ...]]:
+    qg = grouped(q, k.shape[2])
+    queries, keys = _split(layout, q, k, keep, segments)
+    kv_seg = segments[1] if layout.segments else None
+    block = (k, v, keep, kv_seg)
+    state = init_state(qg)
+    value_sum = full_like(k, (k.shape[0], k.shape[2], k.shape[3]), 0.0)
+    for step in range(layout.size):
+        if step:
+            # Now the block of device me - step. Its hop depends only on the previous
+            # block, not on the arithmetic with it, so the two can overlap.
+            block = jax.tree.map(lambda x: _ring_permute(x, layout), block)
+        bk, bv, bkeep, bseg = block
+        state = fold(state, qg, bk, bv, layout.blocks, queries, keys(step, bkeep, bseg))
+        value_sum = value_sum + bv.astype(_F32).sum(1)
+    # A query that sees no key averages every value of the sequence.
+    out, lse = finish(state, (value_sum / layout.n_keys)[:, :, None, None, :])
+    out = ungrouped(out).astype(q.dtype)
+    return out, (q, k, v, keep, segments, out, lse)
 
 
-def _block_grads(
-    q: Array,
-    k: Array,
-    v: Array,
-    visible: Array,
-    do: Array,
-    stats: tuple[Array, Array, Array],
-    scale: float,
-) -> tuple[Array, Array, Array]:
-    """The gradients `(dq, dk, dv)`, in float32, that one key/value block contributes."""
-    m, total, delta = stats
-    p = jnp.exp(_scores(q, k, visible, scale) - m[..., None]) / total[..., None]
-    dv = jnp.einsum("bkgts,bkgtd->bskd", p, do)
-    dp = jnp.einsum("bkgtd,bskd->bkgts", do, v, preferred_element_type=_F32)
-    # Masked scores are constants (a `where`): no gradient reaches q or k through them.
-    ds = jnp.where(visible, p * (dp - delta[..., None]), 0.0)
-    dq = jnp.einsum("bkgts,bskd->bkgtd", ds, k, preferred_element_type=_F32) * scale
-    dk = jnp.einsum("bkgts,bkgtd->bskd", ds, q, preferred_element_type=_F32) * scale
-    return dq, dk, dv
-
-
-def _add_unseen_block_grads(
-    grads: tuple[Array, Array, Array], v: Array, do: Array, stats: tuple[Array, Array, Array]
-) -> tuple[Array, Array, Array]:
-    """`grads` plus those of a block wholly in the queries' future (see `_unseen_block`).
-
-    Only the values get a gradient: masked scores pass none to the queries or keys.
-    """
-    m, total, _ = stats
-    weight = jnp.exp(_LOWEST - m) / total  # (b k g t)
-    per_key = jnp.einsum("bkgt,bkgtd->bkd", weight, do)[:, None]  # the same for every key
-    dq, dk, dv = grads
-    return dq, dk, dv + per_key
-
-
-def _ring_backward(
-    layout: _Layout, residuals: tuple[Array, ...], g: Array
-) -> tuple[Array, Array, Array, None]:
+def _ring_backward(layout: _Layout, residuals: tuple[Any, ...], g: Array) -> tuple[Any, ...]:
     # The barrier starts this ring once the cotangent is there, not during the forward.
-    (q, k, v, mask, out, m, total), g = jax.lax.optimization_barrier((residuals, g))
+    (q, k, v, keep, segments, out, lse), g = jax.lax.optimization_barrier((residuals, g))
     kv_heads = k.shape[2]
-    qg = _grouped(q, kv_heads)
-    do = _grouped(g.astype(_F32), kv_heads)
-    delta = (do * _grouped(out.astype(_F32), kv_heads)).sum(-1)
-    stats = (m, total, delta)
-    me = jax.lax.axis_index(layout.axis)
+    qg = grouped(q, kv_heads)
+    do = grouped(g.astype(_F32), kv_heads)
+    delta = (do * grouped(out.astype(_F32), kv_heads)).sum(-1)
+    queries, keys = _split(layout, q, k, keep, segments)
+    # What this device's queries that saw no key give every value of the sequence.
+    unseen = unseen_value_grads(do, lse, layout.n_keys)[:, None]
+    kv_seg = segments[1] if layout.segments else None
     # Each key/value block travels with its gradient accumulators; after the last step
     # device `me` holds block me + 1's, which one more hop takes home. Keys and values
     # travel stacked: the forward's hops, one for each, are then not the same ppermutes
     # of the same blocks, which XLA would merge, keeping every block received in the
     # forward alive until the backward (the whole sequence's keys and values).
-    block = (jnp.stack([k, v]), mask)
-    dq, dk, dv = _block_grads(
-        qg, k, v, _visible(mask, diagonal=layout.causal), do, stats, layout.scale
-    )
+    block = (jnp.stack([k, v]), keep, kv_seg)
+
+    def block_grads(step: int, block: tuple[Any, ...]) -> tuple[Array, Array]:
+        (bk, bv), bkeep, bseg = block
+        dq, dk, dv, _ = grads(
+            qg, bk, bv, do, lse, delta, layout.blocks, queries, keys(step, bkeep, bseg)
+        )
+        return dq, jnp.stack([dk, dv + unseen])
+
+    dq, dkv = block_grads(0, block)
     for step in range(1, layout.size):
         block = jax.tree.map(lambda x: _ring_permute(x, layout), block)
-        dk, dv = _ring_permute(jnp.stack([dk, dv]), layout)
-        (bk, bv), bmask = block
-
-        def seen(
-            acc: tuple[Array, Array, Array], bk: Array = bk, bv: Array = bv, bmask: Array = bmask
-        ) -> tuple[Array, Array, Array]:
-            grads = _block_grads(
-                qg, bk, bv, _visible(bmask, diagonal=False), do, stats, layout.scale
-            )
-            return acc[0] + grads[0], acc[1] + grads[1], acc[2] + grads[2]
-
-        if layout.causal:  # the block came from device me - step: in the past iff step <= me
-            dq, dk, dv = jax.lax.cond(
-                step <= me,
-                seen,
-                lambda acc, bv=bv: _add_unseen_block_grads(acc, bv, do, stats),
-                (dq, dk, dv),
-            )
-        else:
-            dq, dk, dv = seen((dq, dk, dv))
+        dkv = _ring_permute(dkv, layout)
+        dq_step, dkv_step = block_grads(step, block)
+        dq, dkv = dq + dq_step, dkv + dkv_step
     if layout.size > 1:
-        dk, dv = _ring_permute(jnp.stack([dk, dv]), layout)
-    return _ungrouped(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+        dkv = _ring_permute(dkv, layout)
+    dk, dv = dkv
+    no_segments = tuple(None for _ in segments)
+    return (
+        ungrouped(dq).astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        None,
+        *no_segments,
+    )
 
 
-def _make_ring(layout: _Layout) -> Callable[[Array, Array, Array, Array], Array]:
+def _make_ring(layout: _Layout) -> Callable[..., Array]:
     """Ring attention on one device's blocks, with its gradient as a second ring."""
 
     @jax.custom_vjp
-    def ring(q: Array, k: Array, v: Array, mask: Array) -> Array:
-        return _ring_forward(layout, q, k, v, mask)[0]
+    def ring(q: Array, k: Array, v: Array, keep: Array, *segments: Array) -> Array:
+        return _ring_forward(layout, q, k, v, keep, *segments)[0]
 
-    def fwd(q: Array, k: Array, v: Array, mask: Array) -> tuple[Array, tuple[Array, ...]]:
-        return _ring_forward(layout, q, k, v, mask)
+    def fwd(q: Array, k: Array, v: Array, keep: Array, *segments: Array) -> tuple[Array, Any]:
+        return _ring_forward(layout, q, k, v, keep, *segments)
 
-    def bwd(residuals: tuple[Array, ...], g: Array) -> tuple[Array, Array, Array, None]:
+    def bwd(residuals: tuple[Any, ...], g: Array) -> tuple[Any, ...]:
         return _ring_backward(layout, residuals, g)
 
     ring.defvjp(fwd, bwd)
     return ring
 
 
-def _gathered(layout: _Layout, q: Array, k: Array, v: Array, mask: Array) -> Array:
+def _gathered(
+    layout: _Layout, q: Array, k: Array, v: Array, keep: Array, *segments: Array
+) -> Array:
     """This device's queries against the whole sequence's keys and values, gathered."""
     gather = lambda x: jax.lax.all_gather(x, layout.axis, axis=1, tiled=True)  # noqa: E731
-    k_all, v_all, mask_all = gather(k), gather(v), gather(mask)
-    qg = _grouped(q, k.shape[2])
-    visible = mask_all[:, None, None, None, :]
-    if layout.causal:
-        t = q.shape[1]
-        first = jax.lax.axis_index(layout.axis) * t
-        positions = first + jnp.arange(t)
-        visible = visible & (jnp.arange(k_all.shape[1])[None, :] <= positions[:, None])
-    weights = jax.nn.softmax(_scores(qg, k_all, visible, layout.scale), axis=-1)
+    k_all, v_all, keep_all = gather(k), gather(v), gather(keep)
+    qg = grouped(q, k.shape[2])
+    spec = layout.blocks
+    visible = keep_all[:, None, :]
+    t = q.shape[1]
+    positions = (jax.lax.axis_index(layout.axis) * t + jnp.arange(t))[:, None]
+    key_positions = jnp.arange(k_all.shape[1])[None, :]
+    if spec.causal:
+        visible = visible & (key_positions <= positions)
+    if spec.window is not None:
+        visible = visible & (key_positions > positions - spec.window)
+    if layout.segments:
+        q_seg, kv_seg = segments[0], gather(segments[1])
+        visible = visible & (q_seg[:, :, None] == kv_seg[:, None, :])
+    scores = jnp.einsum("bkgtd,bskd->bkgts", qg, k_all, preferred_element_type=_F32) * spec.scale
+    if spec.softcap is not None:
+        scores = spec.softcap * jnp.tanh(scores / spec.softcap)
+    scores = jnp.where(visible[:, None, None], scores, LOWEST)
+    weights = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->bkgtd", weights.astype(v.dtype), v_all)
-    return _ungrouped(out).astype(q.dtype)
+    return ungrouped(out).astype(q.dtype)
 
 
 def _divisors(n: int) -> list[int]:
@@ -301,6 +251,9 @@ def _check(
     axis: str,
     causal: bool,
     strategy: str,
+    window: int | None = None,
+    segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
 ) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
@@ -354,6 +307,26 @@ def _check(
             )
         if not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.integer)):
             raise TypeError(f"mask must hold booleans or integers (1 = attend), got {mask.dtype}.")
+    if window is not None and (not causal or window < 1):
+        raise ValueError(
+            f"window={window!r} is a sliding window over the past: it needs causal=True "
+            "and a positive number of positions."
+        )
+    if segment_ids is not None and segment_ids.shape != q.shape[:-2]:
+        raise ValueError(
+            f"segment_ids of shape {segment_ids.shape} do not match the queries q "
+            f"{q.shape}: give one segment id per query token, shape {q.shape[:-2]}."
+        )
+    if kv_segment_ids is not None and (segment_ids is None or kv_segment_ids.shape != k.shape[:-2]):
+        raise ValueError(
+            f"kv_segment_ids of shape {kv_segment_ids.shape} must come with the queries' "
+            f"segment_ids and match the keys k {k.shape}: shape {k.shape[:-2]}."
+        )
+    if segment_ids is not None and kv_segment_ids is None and kv_seq != seq:
+        raise ValueError(
+            f"segment_ids for {seq} queries and {kv_seq} keys; pass the keys' own as "
+            "kv_segment_ids."
+        )
     _check_split("the query sequence", seq, axis, mesh)
     if kv_seq != seq:
         _check_split("the key/value sequence", kv_seq, axis, mesh)
@@ -370,24 +343,30 @@ def context_parallel_attention(
     mask: Bool[Array, "..."] | Int[Array, "..."] | None = None,
     scale: float | None = None,
     strategy: Literal["ring", "all_gather"] = "ring",
+    window: int | None = None,
+    softcap: float | None = None,
+    segment_ids: Int[Array, "..."] | None = None,
+    kv_segment_ids: Int[Array, "..."] | None = None,
+    block_size: int | tuple[int, int] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Attention whose sequence is split over the mesh axis `axis`: context parallelism.
 
     Device `i` of the axis holds (and returns) the `i`-th contiguous block of the
     sequence, so no device holds every token's activations: a sequence longer than
     one device's share still trains. The result, and its gradient, equal the unsplit
-    attention's (`softmax(q k^T * scale + mask) v` with the softmax in float32, as in
-    `redcoast.models.Attention`). Only the sequence axis is split by hand
+    attention's (`rc.nn.attention`: `softmax(cap(q k^T * scale)) v` over the visible
+    keys, with the softmax in float32). Only the sequence axis is split by hand
     (`jax.shard_map` over `axis` alone); the other mesh axes stay with the compiler,
     so a batch split over `"data"` stays split.
 
     `strategy="ring"` is ring attention (Liu et al. 2023): the key/value blocks go
     around the ring of devices with `jax.lax.ppermute`, folded into each device's
     queries by the online softmax; a device holds the scores of its queries against
-    one block of keys at a time, `(seq / n)^2` per head, and the gradient is a second
-    trip around the ring. `strategy="all_gather"` gathers the whole keys and values
-    on every device (`jax.lax.all_gather`): fewer, larger collectives, but scores of
-    `seq / n` queries against all `seq` keys.
+    one block of keys at a time, `(seq / n)^2` per head (or blocks of `block_size`
+    within it), and the gradient is a second trip around the ring.
+    `strategy="all_gather"` gathers the whole keys and values on every device
+    (`jax.lax.all_gather`): fewer, larger collectives, but scores of `seq / n`
+    queries against all `seq` keys.
 
     The ring's gradient is a custom VJP: `jax.grad` and `jax.vjp` work, forward-mode
     differentiation (`jax.jvp`, `jax.jacfwd`) does not. Under `causal=True` device `i`
@@ -409,6 +388,16 @@ def context_parallel_attention(
             gets the mean of every value, as the unsplit softmax gives.
         scale: multiplies the scores; default `1 / sqrt(head_dim)`.
         strategy: `"ring"` or `"all_gather"`.
+        window: with `causal`, each query sees only the `window` most recent positions
+            (its own included); blocks wholly before the window are skipped.
+        softcap: scores become `softcap * tanh(scores / softcap)`.
+        segment_ids: `(*batch, seq)`, which document each query belongs to: a query sees
+            keys of its own document only; blocks sharing no document are skipped.
+        kv_segment_ids: the keys' documents, `(*batch, kv_seq)`, when they are not the
+            queries' own.
+        block_size: queries and keys per block within each device's share (an int or
+            a `(query, key)` pair dividing `seq / n` and `kv_seq / n`); default: the
+            whole share, one block of scores per ring step.
 
     Returns:
         The attention output of every query, shaped as `q`, split over `axis` along the
@@ -418,7 +407,9 @@ def context_parallel_attention(
         ValueError: `axis` is not an axis of `mesh`; its size does not divide the
             sequence; `mask` is not a key padding mask (a `(seq, kv_seq)` matrix cannot
             be split: use `causal=True` for the causal one); `causal` with
-            `seq != kv_seq`; head counts that do not group.
+            `seq != kv_seq`; head counts that do not group; a `window` without
+            `causal`; segment ids that do not match the tokens; a block size that
+            does not divide a device's share.
 
     Example:
         >>> mesh = jax.make_mesh((8,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -429,32 +420,67 @@ def context_parallel_attention(
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mask = None if mask is None else jnp.asarray(mask)
-    _check(q, k, v, mask, mesh, axis, causal, strategy)
+    _check(q, k, v, mask, mesh, axis, causal, strategy, window, segment_ids, kv_segment_ids)
     active = _active.current()
     if active is not None:  # a split attention of the model a step runs
         active.attention_calls += 1
     batch = q.shape[:-3]
+    seq, kv_seq = q.shape[-3], k.shape[-3]
+    size = int(mesh.shape[axis])
     keep = jnp.ones(k.shape[:-2], dtype=bool) if mask is None else mask.astype(bool)
     flat = int(np.prod(batch, dtype=np.int64))
     q4 = q.reshape(flat, *q.shape[-3:])
     k4, v4 = k.reshape(flat, *k.shape[-3:]), v.reshape(flat, *v.shape[-3:])
-    keep2 = keep.reshape(flat, k.shape[-3])
+    segments: tuple[Array, ...] = ()
+    if segment_ids is not None:
+        theirs = segment_ids if kv_segment_ids is None else kv_segment_ids
+        segments = (segment_ids.reshape(flat, seq), theirs.reshape(flat, kv_seq))
+    blocks = _blocks(block_size, seq // size, kv_seq // size, q.shape)
     layout = _Layout(
         axis=axis,
-        size=int(mesh.shape[axis]),
-        causal=causal,
-        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+        size=size,
+        blocks=Blocks(
+            q=blocks[0],
+            kv=blocks[1],
+            causal=causal,
+            window=window,
+            softcap=softcap,
+            scale=scale_of(q.shape[-1], scale),
+        ),
+        n_keys=kv_seq,
+        segments=bool(segments),
     )
     if strategy == "ring":
         local: Callable[..., Array] = _make_ring(layout)
     else:
         local = lambda *blocks: _gathered(layout, *blocks)  # noqa: E731
     split = P(None, axis)
+    args = (q4, k4, v4, keep.reshape(flat, kv_seq), *segments)
     out = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(split, split, split, split),
+        in_specs=tuple(split for _ in args),
         out_specs=split,
         axis_names={axis},
-    )(q4, k4, v4, keep2)
+        # Under jax.vmap, JAX 0.10's check of varying axes trips on the loop index of
+        # the blocks (a `mul` of it "must match"); the ring needs no such check.
+        check_vma=False,
+    )(*args)
     return out.reshape(q.shape)
+
+
+def _blocks(
+    block_size: int | tuple[int, int] | None, seq: int, kv_seq: int, q_shape: tuple[int, ...]
+) -> tuple[int, int]:
+    """Block sizes within one device's `seq` queries and `kv_seq` keys."""
+    if block_size is None:
+        return seq, kv_seq
+    pair = block_size if isinstance(block_size, tuple) else (block_size, block_size)
+    for what, n, b in (("queries", seq, pair[0]), ("keys", kv_seq, pair[1])):
+        if isinstance(b, bool) or not isinstance(b, int | np.integer) or b < 1 or n % b:
+            raise ValueError(
+                f"context_parallel_attention: block_size={block_size!r} does not divide "
+                f"each device's {n} {what} (q {tuple(q_shape)} split over the axis); pass a "
+                f"divisor of {n} such as {default_block(n)}."
+            )
+    return int(pair[0]), int(pair[1])

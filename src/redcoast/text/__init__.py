@@ -24,7 +24,8 @@ text, and a list of strings that are all paths of files is refused (strings are
 documents: pass `Path`s).
 
 `packed` and `padded` are sequences of fixed-length rows over a token folder
-(`{"input_ids": int32[seq_len], "loss_mask": bool[seq_len]}`), read from disk on
+(`{"input_ids": int32[seq_len], "loss_mask": bool[seq_len]}`, and for packed rows
+`segment_ids` and `positions` that keep their documents apart), read from disk on
 demand with `os.pread`, so a file truncated while in use is an error, never a
 crash: each 1 MiB chunk is checked against its checksum the first time a row
 touches it (`documents.bin`, `origins.bin` and `checksums.bin` whole when the

@@ -112,15 +112,47 @@ class _Rows(Sequence[dict[str, np.ndarray]]):
 class PackedRows(_Rows):
     """The token stream cut into rows of `seq_len` tokens; see `packed`."""
 
+    def __init__(
+        self,
+        tokens: TokenFile,
+        seq_len: int,
+        start: int,
+        stop: int,
+        *,
+        vocab: int | None = None,
+        separate_documents: bool = True,
+    ):
+        super().__init__(tokens, seq_len, start, stop, vocab=vocab)
+        self.separate_documents = separate_documents
+
     def _row(self, i: int) -> dict[str, np.ndarray]:
         a = i * self.seq_len
         raw, mask = self.tokens.read(a, a + self.seq_len)
         ids = raw.astype(np.int32)
         self._check_ids(i, ids, a)
-        return {
+        row = {
             "input_ids": ids,
             "loss_mask": np.ones(self.seq_len, np.bool_) if mask is None else mask,
         }
+        if self.separate_documents:
+            row["segment_ids"], row["positions"] = documents_of(
+                self.tokens.starts, a, a + self.seq_len
+            )
+        return row
+
+
+def documents_of(starts: np.ndarray, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens `[a, b)`'s documents: `(segment_ids, positions)`, int32.
+
+    Segment ids count the documents from 0 at the row's first token; positions restart
+    at 0 at each document's start, and at the row's start for a document begun in the
+    row before (the model sees that part of it alone).
+    """
+    tokens = np.arange(a, b)
+    document = np.searchsorted(starts, tokens, side="right") - 1
+    segment_ids = (document - document[0]).astype(np.int32)
+    first = np.maximum(starts[document], a)
+    return segment_ids, (tokens - first).astype(np.int32)
 
 
 class PaddedRows(_Rows):
@@ -151,12 +183,21 @@ class PaddedRows(_Rows):
         return {"input_ids": ids, "loss_mask": mask}
 
 
-def packed(tokens: TokenFile, seq_len: int, *, model: Any = None) -> PackedRows:
+def packed(
+    tokens: TokenFile, seq_len: int, *, model: Any = None, separate_documents: bool = True
+) -> PackedRows:
     """Rows of `seq_len` consecutive tokens: documents packed with EOS between them.
 
     As `run_clm.py`'s `group_texts`: the stream is cut into `len(tokens) // seq_len`
     rows and the remainder dropped. `loss_mask` is all true for text and the
     completion mask for instruction data.
+
+    With `separate_documents` (the default) each row also says where its documents
+    are, as MaxText, Levanter and TRL's padding-free packing do: `segment_ids` number
+    the documents of the row from 0, and `positions` restart at 0 at each document
+    (and at the row's start). `rc.models.lm_loss` gives both to the model, so a
+    document attends to itself alone, as if it were in a row of its own, and its
+    first token is not a target predicted from the document before it.
 
     Args:
         tokens: from `tokenize` or `tokenize_instructions`.
@@ -164,10 +205,13 @@ def packed(tokens: TokenFile, seq_len: int, *, model: Any = None) -> PackedRows:
         model: when given, checked: every id within its `vocab_size` (against
             meta.json's largest id here, and each row's ids as it is read), and
             `seq_len` within its position table (`max_positions`).
+        separate_documents: give each row `segment_ids` and `positions`; False:
+            `run_clm.py`'s rows, whose documents see the ones before them.
 
     Returns:
-        A sequence of `{"input_ids": int32[seq_len], "loss_mask": bool[seq_len]}`;
-        slicing it (`rows[:-100]`) gives a view.
+        A sequence of `{"input_ids": int32[seq_len], "loss_mask": bool[seq_len]}`,
+        with `"segment_ids"` and `"positions"` (int32[seq_len]) when
+        `separate_documents`; slicing it (`rows[:-100]`) gives a view.
 
     Raises:
         ValueError: bad `seq_len`, a corpus shorter than one row, or a model that
@@ -188,7 +232,9 @@ def packed(tokens: TokenFile, seq_len: int, *, model: Any = None) -> PackedRows:
             f"seq_len={seq_len}; use a shorter seq_len or more text."
         )
     vocab = _check_model(tokens, seq_len, model)
-    return PackedRows(tokens, seq_len, 0, n, vocab=vocab)
+    return PackedRows(
+        tokens, seq_len, 0, n, vocab=vocab, separate_documents=bool(separate_documents)
+    )
 
 
 def padded(
