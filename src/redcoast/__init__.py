@@ -46,6 +46,7 @@ from .train.fit import fit as fit
 from .train.inference_step import eval_step as eval_step
 from .train.inference_step import predict_step as predict_step
 from .train.logging import jsonl_logger as jsonl_logger
+from .train.logging import median_speed as median_speed
 from .train.logging import tensorboard_logger as tensorboard_logger
 from .train.logging import wandb_logger as wandb_logger
 from .train.loop import Hook as Hook

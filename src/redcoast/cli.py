@@ -260,27 +260,30 @@ def plan(
     if json_path is not None:
         _check_writable(json_path, "--json")
     _simulate_devices(devices)
+    from ._progress import heartbeat
     from .models import planning
 
+    what = f"planning {model}: compiling the train step for each layout tried"
     try:
-        result = planning.memory_plan(
-            model,
-            devices=devices,
-            n_model_shards=n_model_shards,
-            fsdp=fsdp,
-            seq_len=seq_len,
-            per_device_batch_size=per_device_batch_size,
-            precision=precision,
-            remat=remat,
-            sequence_parallel=sequence_parallel,
-            context_parallel=context_parallel,
-            device_memory=device_memory,
-            search=search,
-            longest_seq=longest_seq,
-            lora_rank=lora_rank,
-            lora_targets=lora_targets,
-            frozen_dtype=frozen_dtype,
-        )
+        with heartbeat(what if search else f"planning {model}: compiling the train step"):
+            result = planning.memory_plan(
+                model,
+                devices=devices,
+                n_model_shards=n_model_shards,
+                fsdp=fsdp,
+                seq_len=seq_len,
+                per_device_batch_size=per_device_batch_size,
+                precision=precision,
+                remat=remat,
+                sequence_parallel=sequence_parallel,
+                context_parallel=context_parallel,
+                device_memory=device_memory,
+                search=search,
+                longest_seq=longest_seq,
+                lora_rank=lora_rank,
+                lora_targets=lora_targets,
+                frozen_dtype=frozen_dtype,
+            )
         if specs:
             click.echo(str(planning.sharding_plan_of(model, result.layout, result.lora)) + "\n")
     except (ValueError, TypeError) as err:

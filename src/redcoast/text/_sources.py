@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from .._progress import BYTES, Progress
 from ._token_file import is_token_folder
 
 Source = str | os.PathLike[str] | Iterable[Any]
@@ -207,8 +207,6 @@ def describe_keys(record: Any) -> str:
     return str(sorted(record)) if isinstance(record, dict) else type(record).__name__
 
 
-def progress_bar(total: int | None, enabled: bool, what: str) -> Progress | None:
-    if not enabled:
-        return None
-    columns = [TextColumn(f"[bold]tokenize {what}"), BarColumn(), DownloadColumn()]
-    return Progress(*columns, TimeRemainingColumn(), transient=True)
+def progress_bar(total: int | None, enabled: bool, what: str, unit: str = BYTES) -> Progress:
+    """Tokenizing's progress: bytes of files (or records) done, while process 0 reads."""
+    return Progress(f"tokenize {what}", total, unit=unit, enabled=enabled, transient=True)
