@@ -22,6 +22,9 @@ records for `tokenize_instructions`)."""
 def list_files(source: Any, pattern: str, *, output: Path) -> list[Path] | None:
     """The files a path or list of `Path`s names, sorted; None when `source` is not paths.
 
+    Each file comes once, by its real path (`_once`): a symlink in a folder beside the
+    file it points to is read once.
+
     Files inside a token folder (one redcoast wrote, is writing, or `output`, the one
     this call writes) are never input: a folder's are skipped, and one named on its
     own is refused.
@@ -71,6 +74,19 @@ def list_files(source: Any, pattern: str, *, output: Path) -> list[Path] | None:
             out.append(p)
         else:
             raise ValueError(f"{p} does not exist; give a file, a folder or a list of Paths.")
+    return _once(out)
+
+
+def _once(files: list[Path]) -> list[Path]:
+    """Each file once, by its real path: a symlink beside its target (or a file named
+    twice) would otherwise be tokenized twice. The first name found is kept."""
+    seen: set[Path] = set()
+    out = []
+    for f in files:
+        real = f.resolve()
+        if real not in seen:
+            seen.add(real)
+            out.append(f)
     return out
 
 

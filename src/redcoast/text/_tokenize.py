@@ -195,7 +195,8 @@ def tokenize(
 
     Args:
         source: a file, a folder (every file matching `pattern`, hidden ones and
-            token folders skipped, in sorted order), a list of `Path`s, or an
+            token folders skipped, in sorted order; each file once by its real
+            path, so a symlink beside its target is read once), a list of `Path`s, or an
             iterable of strings (the documents' text; a list of strings that are
             all paths of existing files is refused: pass them as `Path`s).
         tokenizer: a checkpoint folder, a `tokenizer.json`, or a tokenizer object
