@@ -27,6 +27,7 @@ from .parallel._sequence import SequenceParallel as SequenceParallel
 from .parallel.mesh import make_mesh as make_mesh
 from .parallel.place import place as place
 from .parallel.place import sharded_init as sharded_init
+from .parallel.place import unplace as unplace
 from .parallel.sharding import ShardingPlan as ShardingPlan
 from .parallel.sharding import sharding_plan as sharding_plan
 from .parallel.sharding import sharding_report as sharding_report

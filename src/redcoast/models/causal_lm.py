@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from ..nn import Norm, RematPolicy, normalise, table_dtype, tied_logits
 from ..parallel import fsdp
+from ..parallel.place import placement_hint
 from . import hf
 from ._stack import run_stack
 from .checks import check_range
@@ -127,8 +128,9 @@ class AbstractCausalLM(hf.HFModel):
                 f"sequence length must be in [1, {limit}]. Truncate or split the sequence."
             )
         positions = jnp.arange(seq)
-        x, _ = self._blocks(self._embed(input_ids, positions), positions, None, 0)
-        return self._logits(x)
+        with placement_hint():
+            x, _ = self._blocks(self._embed(input_ids, positions), positions, None, 0)
+            return self._logits(x)
 
     def decode(
         self,
