@@ -326,21 +326,25 @@ def _check_writable(path: str, option: str) -> None:
     default=None,
     help="Stop every process after this many seconds (exit code 124).",
 )
+@click.option(
+    "--verbose", is_flag=True, help="Also show Gloo's line for every connection it makes."
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch(
     nprocs: int,
     devices_per_proc: int,
     port: int | None,
     timeout: float | None,
+    verbose: bool,
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND as NPROCS local processes that form one JAX job.
 
     Example: redcoast launch --nprocs 2 --devices-per-proc 4 -- python train.py
 
-    Output is prefixed with each process's rank. If one fails, the launcher names
-    it, stops the rest and returns its exit code (128 + N for a process killed by
-    signal N); no process is left behind.
+    Output is prefixed with each process's rank (Gloo's connection lines only with
+    --verbose). If one fails, the launcher names it, stops the rest and returns its
+    exit code (128 + N for a process killed by signal N); no process is left behind.
     """
     from .distributed import launch as run
 
@@ -350,6 +354,7 @@ def launch(
         devices_per_proc=devices_per_proc,
         port=port,
         timeout=timeout,
+        verbose=verbose,
     )
     sys.exit(128 - code if code < 0 else code)
 
