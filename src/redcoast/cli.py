@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Mapping
@@ -156,24 +157,83 @@ def main() -> None:
     help="Optimizer steps to train.",
 )
 @click.option(
-    "--workdir", default=None, help="Logs and outputs  [default: a new folder under runs/demo]"
+    "--workdir",
+    default=None,
+    help="Logs, checkpoints and outputs  [default: a new folder under runs/demo]",
 )
-def demo(devices: int, n_model_shards: int, max_steps: int, workdir: str | None) -> None:
+@click.option(
+    "--resume", is_flag=True, help="Continue the stopped run in --workdir from its checkpoint."
+)
+def demo(
+    devices: int, n_model_shards: int, max_steps: int, workdir: str | None, resume: bool
+) -> None:
     """Train a small byte-level language model on Python's own docs, tensor parallel.
 
     Runs examples/language_modeling.py on simulated CPU devices: the model is split
     across `--n-model-shards` devices and the batch across the rest. Prints the
-    sharding plan's summary, a progress bar, a generated sample and the metrics.
-    Each run gets a folder of its own under runs/demo unless `--workdir` names one.
+    sharding plan's summary, progress, a generated sample and the metrics, speed
+    included (tokens/s, seconds per step). Each run gets a folder of its own under
+    runs/demo unless `--workdir` names one; a run stopped by SIGTERM or Ctrl-C saves
+    a checkpoint there, and `--workdir FOLDER --resume` continues it.
     """
+    if resume and workdir is None:
+        raise click.UsageError("--resume continues a run: name its folder with --workdir.")
     if workdir is None:
         workdir = _fresh_folder(Path("runs/demo"))
         click.echo(f"workdir: {workdir}")
-    _run_example(
-        "language_modeling",
-        devices,
-        {"n_model_shards": n_model_shards, "max_steps": max_steps, "workdir": workdir},
+    options = {"n_model_shards": n_model_shards, "max_steps": max_steps}
+    metrics = _run_example(
+        "language_modeling", devices, {**options, "workdir": workdir, "resume": resume}
     )
+    if "stopped_after_step" in metrics:
+        again = ["redcoast demo", f"--workdir {shlex.quote(workdir)}", "--resume"]
+        given = {"--devices": (devices, 8), "--n-model-shards": (n_model_shards, 2)}
+        given["--max-steps"] = (max_steps, 300)
+        again += [f"{flag} {value}" for flag, (value, default) in given.items() if value != default]
+        click.echo(f"to continue: {' '.join(again)}", err=True)
+
+
+@main.command()
+@click.argument("folder", default="checkpoints/gpt2", required=False)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Optimizer steps of pretraining.",
+)
+@click.option(
+    "--devices",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Simulated CPU devices.",
+)
+@click.option(
+    "--n-model-shards",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Tensor-parallel shards.",
+)
+def pretrained(folder: str, steps: int, devices: int, n_model_shards: int) -> None:
+    """Make a small pretrained GPT-2 and its tokenizer in FOLDER (checkpoints/gpt2), offline.
+
+    A byte-level BPE tokenizer (4096 ids) and a GPT-2 (4 layers, width 128, 256
+    positions) trained for --steps on Python's documentation (pydoc_data.topics),
+    written as a Hugging Face folder: config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json, which rc.models.from_hf, rc.text and transformers open.
+    It is `redcoast run finetune`'s base (runs/finetune/base). A FOLDER that already
+    holds one is kept; delete it to make another.
+    """
+    _simulate_devices(devices)
+    base = _examples.load_example("_pretrained")
+    try:
+        path = base.base_checkpoint(folder, n_model_shards=n_model_shards, steps=steps)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from err
+    names = ", ".join(sorted(p.name for p in Path(path).iterdir()))
+    click.echo(f"{path}: {names}")
 
 
 @main.group(cls=_Examples, subcommand_metavar="EXAMPLE [OPTIONS]")

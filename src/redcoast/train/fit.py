@@ -102,8 +102,8 @@ def _report_stop(run: _Run, state: LoopState) -> None:
         return
     saved = "" if run.ckpts is None else f"; saved {step_checkpoint_path(run.ckpts, state.step)}"
     print(
-        f"redcoast: stopped after step {state.step} ({state.stop}){saved}. Run again with "
-        "resume=True to continue.",
+        f"redcoast: stopped after step {state.step} ({state.stop}){saved}. To continue, run "
+        "fit again with the same workdir and resume=True (a command's --resume option).",
         file=sys.stderr,
         flush=True,
     )
