@@ -59,6 +59,10 @@ def jax_matrix(session: nox.Session, jax: str) -> None:
     skipped there and run in the 3.11 session.
     """
     extras = "test,hf" if session.python in HF_PYTHONS else "test"
+    session.log(
+        f"installing redcoast[{extras}] with JAX {jax} on Python {session.python}"
+        + (" (PyTorch and transformers: about 2 GB the first time)" if "hf" in extras else "")
+    )
     session.install("-e", f".[{extras}]", f"jax=={jax}", f"jaxlib=={jax}")
     session.run("pytest", *WORKERS, *FAST, *session.posargs, env=FAST_COMPILE)
 
@@ -67,6 +71,10 @@ def jax_matrix(session: nox.Session, jax: str) -> None:
 def slow(session: nox.Session) -> None:
     """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI,
     and plans compiled by the TPU compiler (the `tpu` extra)."""
+    session.log(
+        "installing redcoast with its test, examples, hf and tpu extras: PyTorch (CPU), "
+        "transformers, gymnax, scikit-learn, libtpu (about 3 GB the first time; reused after)"
+    )
     session.install("-e", ".[test,examples,hf,tpu]")
     session.run("pytest", *WORKERS, "-m", "slow and not multihost", *session.posargs, env=SIMULATED)
 
@@ -74,6 +82,7 @@ def slow(session: nox.Session) -> None:
 @nox.session
 def multihost(session: nox.Session) -> None:
     """Real multi-process jobs: 2 x 4 and 4 x 2 processes x devices against 1 x 8."""
+    session.log("installing redcoast with its test extra (JAX, pytest; a minute the first time)")
     session.install("-e", ".[test]")
     session.run("pytest", "-m", "multihost", "tests/multihost", *session.posargs)
 
@@ -81,6 +90,7 @@ def multihost(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check and pyright on src/."""
+    session.log("installing redcoast with ruff, pyright and nox (a minute the first time)")
     session.install("-e", ".[dev]")
     session.run("ruff", "check", "src", "tests", "scripts", "examples", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "scripts", "examples", "noxfile.py")
@@ -90,6 +100,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks in scripts/: each prints a table and writes JSON under bench-results/."""
+    session.log("installing redcoast[hf] and datasets for the benchmarks (about 2 GB once)")
     session.install("-e", ".[hf]", "datasets>=3")  # bench_text's recipe is datasets'
     for script in sorted(Path("scripts").glob("bench_*.py")):
         # The peers (redco, MaxText) are never installed here: they have their own sessions.
@@ -104,6 +115,7 @@ def bench_peer(session: nox.Session) -> None:
     redco, Flax and tqdm (which redco imports without declaring it) go into this
     session's environment only; they are never dependencies of redcoast.
     """
+    session.log("installing redco 0.4.23, Flax and tqdm beside redcoast (this session only)")
     session.install("-e", ".", "redco==0.4.23", "flax", "tqdm")
     session.run("python", "scripts/bench_peer.py", *session.posargs, env=SIMULATED)
 
@@ -121,6 +133,7 @@ def bench_maxtext(session: nox.Session) -> None:
     `dependencies/`: no Google Cloud clients), in this session's environment only;
     none of it is ever a dependency of redcoast.
     """
+    session.log("installing MaxText 0.2.5, then its CPU requirements (several minutes once)")
     session.install("--no-deps", MAXTEXT[0])
     requirements = session.run_install(
         "python",
@@ -140,5 +153,6 @@ def bench_maxtext(session: nox.Session) -> None:
 @nox.session
 def examples(session: nox.Session) -> None:
     """Every example at full length (minutes each): checks its bar, writes examples/RESULTS.md."""
+    session.log("installing redcoast with the examples' packages: gymnax, scikit-learn, ...")
     session.install("-e", ".[examples]")
     session.run("python", "scripts/run_examples.py", *session.posargs)

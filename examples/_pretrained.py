@@ -38,10 +38,15 @@ def _tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def base_checkpoint(folder: str, *, n_model_shards: int = 2, steps: int = 200) -> Path:
-    """The base checkpoint at `folder`, trained first if it is not there yet."""
+    """The base checkpoint at `folder`, trained first (saying so) if it is not there yet."""
     out = Path(folder)
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
+    print(
+        f"no checkpoint in {out}: pretraining one first, {steps} steps (a BPE tokenizer and a "
+        "small GPT-2 on Python's documentation; made once, then reused)",
+        flush=True,
+    )
     texts = [topics[k] for k in sorted(topics)]
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{out.name}.tmp-"))

@@ -3,12 +3,14 @@
 `--model` is any zoo checkpoint folder with its tokenizer; `--data` is text files,
 a folder of them, or a `.jsonl` of prompt/completion records (the loss then
 counts the completions only). With no arguments it runs offline: a small GPT-2
-and its BPE tokenizer pretrained on Python's documentation (built once, see
-`_pretrained.py`) are fine-tuned on another domain that ships with Python, the
-standard library's own source code (`--lora-table-rank 2`, `--lora-rank R`: LoRA
-adapters only, on the token table that the head is tied to and on every
-projection, merged before writing). Prints held-out perplexity before and after, optimizer
-state and a sample, and writes the model and tokenizer with `to_hf`.
+and its BPE tokenizer pretrained on Python's documentation (built once into
+`--base-dir` in `--base-steps` steps, before fine-tuning's `--max-steps`; see
+`_pretrained.py` and `redcoast pretrained`) are fine-tuned on another domain that
+ships with Python, the standard library's own source code (`--lora-table-rank 2`,
+`--lora-rank R`: LoRA adapters only, on the token table that the head is tied to
+and on every projection, merged before writing). Prints held-out perplexity before
+and after, optimizer state and a sample (of `--prompt`, else the held-out data's
+start), and writes the model and tokenizer with `to_hf`.
 """
 
 import math
@@ -51,8 +53,9 @@ def main(
     lora_rank: int = 0,
     lora_table_rank: int = 0,
     eval_rows: int = 128,
-    prompt: str = "def read_file(path):\n",
+    prompt: str = "",
     base_dir: str = "runs/finetune/base",
+    base_steps: int = 200,
     workdir: str | None = None,
 ) -> dict[str, float]:
     """Fine-tune, compare held-out perplexity, sample, and write the result.
@@ -73,11 +76,18 @@ def main(
         lora_table_rank: above 0, a LoRA adapter of this rank on the token table
             (GPT-2's head reads it too). With either, only the adapters train.
         eval_rows: held-out rows (the end of the data) for the perplexity.
-        prompt: the sample's prompt.
+        prompt: the sample's prompt; default: the start of the held-out data (a
+            function header for the standard library's source).
         base_dir: where the default base checkpoint is built and cached.
+        base_steps: steps of pretraining when the base is built (once, before
+            fine-tuning's --max-steps; `redcoast pretrained` builds one too).
         workdir: where metrics.jsonl goes.
     """
-    folder = Path(model) if model else base_checkpoint(base_dir, n_model_shards=n_model_shards)
+    folder = (
+        Path(model)
+        if model
+        else base_checkpoint(base_dir, n_model_shards=n_model_shards, steps=base_steps)
+    )
     cache = Path(output).parent / "tokens"
     source = Path(data) if data else Path(sysconfig.get_paths()["stdlib"])
     if source.suffix == ".jsonl":
@@ -108,6 +118,7 @@ def main(
         for t in (full, eqx.filter(net, rc.trainable_mask(net, trainable)))
     )
     print(f"optimizer state: {mb / 1e6:.2f} MB; full fine-tuning's {full_mb / 1e6:.2f} MB")
+    print(f"fine-tuning {folder} for {max_steps} steps")
     result = rc.fit(
         net,
         optimizer,
@@ -124,6 +135,12 @@ def main(
     after = perplexity(result.model, held_out, mesh, per_device_batch_size)
     print(f"held-out perplexity: {before:.2f} before, {after:.2f} after ({after / before:.2f}x)")
     tok = rc.text.load_tokenizer(folder)
+    if not prompt:  # the held-out data's start: a record's prompt, or a row's first tokens
+        row = held_out[0]
+        n = max(1, int(np.argmax(row["loss_mask"]))) if source.suffix == ".jsonl" else 16
+        prompt = (
+            tok.fast.decode(row["input_ids"][:n].tolist()) if data else "def read_file(path):\n"
+        )
     ids = np.asarray([tok.fast.encode(prompt).ids], np.int32)
     sampling = {"max_new_tokens": 48, "temperature": 0.7, "eos_id": tok.eos_id}
     new = rc.models.generate(result.model, ids, key=jax.random.key(0), **sampling)

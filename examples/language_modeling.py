@@ -41,8 +41,15 @@ def token_losses(model: Llama, ids: Int[Array, "batch seq1"]) -> Float[Array, "b
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
 
 
-def loss_fn(model: Llama, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
-    return token_losses(model, batch["ids"]).mean()
+def loss_fn(model: Llama, batch: dict[str, Array], key: PRNGKeyArray) -> tuple[Array, dict]:
+    losses = token_losses(model, batch["ids"])
+    return losses.mean(), {"tokens": float(losses.size)}  # the tokens predicted, for tokens/s
+
+
+def versus_baseline(nats: float, baseline: float) -> str:
+    """`12% below it` (better than the baseline), or `2% above it` (worse)."""
+    below = 1 - nats / baseline
+    return f"{abs(100 * below):.0f}% {'below' if below >= 0 else 'above'} it"
 
 
 def pred_fn(model: Llama, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
@@ -62,6 +69,7 @@ def main(
     max_steps: int = 300,
     learning_rate: float = 3e-3,
     workdir: str | None = None,
+    resume: bool = False,
     seed: int = 0,
 ) -> dict[str, float]:
     """Train, evaluate against the unigram baseline, and print a sample.
@@ -71,7 +79,8 @@ def main(
         per_device_batch_size: windows of 128 bytes per data-parallel device per step.
         max_steps: optimizer steps.
         learning_rate: peak AdamW learning rate (warm-up, then cosine decay).
-        workdir: where metrics.jsonl goes.
+        workdir: where metrics.jsonl and checkpoints go.
+        resume: continue the run in `workdir` from its newest checkpoint (after a stop).
         seed: initialisation and shuffling.
     """
     train, val = load_windows()
@@ -106,21 +115,23 @@ def main(
         per_device_batch_size=per_device_batch_size,
         max_steps=max_steps,
         workdir=workdir,
+        resume=resume,
         seed=seed,
     )
-    losses = rc.predict(
-        result.model,
-        val,
-        collate_fn=collate_fn,
-        pred_fn=pred_fn,
-        mesh=mesh,
-        per_device_batch_size=per_device_batch_size * 4,
-    )
+    if result.stopped_by is not None:  # SIGTERM or Ctrl-C: a checkpoint was saved
+        return {"stopped_after_step": result.step}
+    how = {
+        "collate_fn": collate_fn,
+        "mesh": mesh,
+        "per_device_batch_size": 4 * per_device_batch_size,
+    }
+    losses = rc.predict(result.model, val, pred_fn=pred_fn, **how)
     val_nats = float(np.mean([float(x) for x in losses]))
     baseline = unigram_nats(train, val)
+    below = 1 - val_nats / baseline
     print(
-        f"validation: {val_nats:.3f} nats/byte ({val_nats / math.log(2):.2f} bits); "
-        f"unigram baseline {baseline:.3f}; {100 * (1 - val_nats / baseline):.0f}% below it"
+        f"validation: {val_nats:.3f} nats/byte ({val_nats / math.log(2):.2f} bits); unigram "
+        f"baseline {baseline:.3f}; {versus_baseline(val_nats, baseline)}"
     )
     prompt = b"The for statement"
     ids = np.frombuffer(prompt, np.uint8).astype(np.int32)[None]
@@ -130,7 +141,8 @@ def main(
     return {
         "val_nats_per_byte": val_nats,
         "unigram_nats_per_byte": baseline,
-        "below_unigram": 1 - val_nats / baseline,
+        "below_unigram": below,
+        **rc.median_speed(result.history["train"]),  # tokens_per_s, step_s (and mfu)
     }
 
 

@@ -196,6 +196,22 @@ def test_launch_runs_processes_that_see_each_other(capfd: pytest.CaptureFixture[
     # 2 devices of rank 0 hold 1, 2 devices of rank 1 hold 2: the global sum is 6.
     assert "[0] rank 0 of 2: devices 4 sum 6.0" in out
     assert "[1] rank 1 of 2: devices 4 sum 6.0" in out
+    assert "[Gloo] Rank" not in out  # a connection line per device: left out unless --verbose
+
+
+def test_launch_leaves_out_gloo_connection_lines_unless_verbose(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    noise = (
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    )
+    code = f"import sys; print({noise!r}, file=sys.stderr); print('[Gloo] other'); print('mine')"
+    for verbose in (False, True):
+        command = [sys.executable, "-c", code]
+        assert distributed.launch(command, nprocs=2, port=free_port(), verbose=verbose) == 0
+        lines = sorted(capfd.readouterr().out.splitlines())
+        quiet = ["[0] [Gloo] other", "[0] mine", "[1] [Gloo] other", "[1] mine"]
+        assert lines == (sorted([*quiet, f"[0] {noise}", f"[1] {noise}"]) if verbose else quiet)
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """Every example runs a few steps through `redcoast run` (the full runs: `nox -s examples`)."""
 
 import json
+import re
+import shlex
 import sysconfig
 from pathlib import Path
 
@@ -10,6 +12,7 @@ from click.testing import CliRunner
 from tiny_checkpoint import tiny_gpt2
 
 import redcoast as rc
+from redcoast import _examples, cli
 from redcoast.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -63,6 +66,8 @@ def _demo_runs(times: int) -> list:
         assert "bytes per device" in result.output
         assert "sample:" in result.output
         assert "val_nats_per_byte" in result.output
+        assert "compiling the train step… " in result.output
+        assert "tokens/s" in result.output and "tokens_per_s" in result.output  # bar and metrics
     runs = sorted((Path.cwd() / "runs" / "demo").iterdir())
     assert len(runs) == times and all((r / "metrics.jsonl").is_file() for r in runs)
     return runs
@@ -116,6 +121,10 @@ def test_finetune_hands_back_a_folder_transformers_generates_from(data, lora_ran
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "held-out perplexity" in result.output and "sample:" in result.output
+    # The sample's prompt comes from the data: a record's prompt, or a held-out row's start.
+    if data == "jsonl":
+        assert re.search(r"sample: [\"']\d+ \+ \d+ =", result.output), result.output
+    assert "def read_file(path)" not in result.output
     found = json.loads(metrics.read_text())
     assert set(found) == {"perplexity_before", "perplexity_after", "ratio", "opt_state"}
     assert found["perplexity_after"] < found["perplexity_before"]
@@ -151,3 +160,50 @@ def test_preference_tunes_a_checkpoint_on_docstring_pairs(loss, tmp_path):
     }
     if loss == "dpo":  # the adapters start at zero: the model is its own reference
         assert found["accuracy_before"] == 0.5
+
+
+def test_the_demo_says_above_the_baseline_when_it_is_worse():
+    demo = _examples.load_example("language_modeling")
+    assert demo.versus_baseline(2.04, 2.0) == "2% above it"
+    assert demo.versus_baseline(1.5, 2.0) == "25% below it"
+
+
+def test_a_stopped_demo_says_the_command_that_continues_it(tmp_path, monkeypatch):
+    given = []
+
+    def stopped(name, devices, kwargs, metrics_json=None):
+        given.append(kwargs)
+        return {"stopped_after_step": 7}
+
+    monkeypatch.setattr(cli, "_run_example", stopped)
+    workdir = str(tmp_path / "my run")
+    result = CliRunner().invoke(main, ["demo", "--workdir", workdir, "--max-steps", "100"])
+    assert result.exit_code == 0, result.output
+    again = f"redcoast demo --workdir '{workdir}' --resume --max-steps 100"
+    assert f"to continue: {again}" in result.output
+    result = CliRunner().invoke(main, ["demo", *shlex.split(again)[2:]])
+    assert given[-1] == {"n_model_shards": 2, "max_steps": 100, "workdir": workdir, "resume": True}
+    bad = CliRunner().invoke(main, ["demo", "--resume"])
+    assert bad.exit_code == 2 and "name its folder with --workdir" in bad.output
+
+
+@pytest.mark.slow
+def test_finetune_says_it_pretrains_its_base_for_base_steps_and_pretrained_makes_one(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((STDLIB / "json" / "decoder.py").read_text() * 4)
+    base, out = tmp_path / "base", tmp_path / "out"
+    args = ["run", "finetune", "--base-dir", str(base), "--base-steps", "3", "--data", str(corpus)]
+    args += ["--max-steps", "2", "--seq-len", "32", "--eval-rows", "16"]
+    args += ["--per-device-batch-size", "2", "--output", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert f"no checkpoint in {base}: pretraining one first, 3 steps" in result.output
+    assert "train: 3/3 steps" in result.output and "train: 2/2 steps" in result.output
+    assert f"fine-tuning {base} for 2 steps" in result.output
+    # `redcoast pretrained` finds the folder complete and keeps it; a new one it makes.
+    kept = CliRunner().invoke(main, ["pretrained", str(base)])
+    assert kept.exit_code == 0 and "pretraining" not in kept.output, kept.output
+    made = CliRunner().invoke(main, ["pretrained", str(tmp_path / "gpt2"), "--steps", "2"])
+    assert made.exit_code == 0 and "pretraining one first, 2 steps" in made.output, made.output
+    files = "config.json, model.safetensors, tokenizer.json, tokenizer_config.json"
+    assert made.output.rstrip().endswith(f"{tmp_path / 'gpt2'}: {files}")

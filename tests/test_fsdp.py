@@ -335,6 +335,21 @@ def test_sharded_init_holds_only_shards_and_equals_the_model_built_whole() -> No
     np.testing.assert_allclose(logits(model), logits(whole), rtol=1e-5, atol=1e-5)
 
 
+def test_a_placed_model_says_how_to_move_it_to_one_device_and_unplace_does() -> None:
+    mesh = rc.make_mesh(2)  # 4 x 2
+    model = rc.sharded_init(make("gpt2", False), jax.random.key(3), mesh, fsdp=True)
+    ids = jax.device_put(IDS[0], jax.devices()[0])
+    with pytest.raises(ValueError, match="incompatible devices") as caught:
+        model(ids)
+    assert any("rc.unplace(model)" in note for note in getattr(caught.value, "__notes__", []))
+    one = rc.unplace(model)
+    assert all(x.devices() == {jax.devices()[0]} for x in arrays(one))
+    assert one.config == model.config
+    for got, want in zip(arrays(one), arrays(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert eqx.filter_jit(lambda m, x: m(x))(one, ids).shape == (16, 128)
+
+
 def test_sharded_init_rejects_specs_that_do_not_fit() -> None:
     mesh = rc.make_mesh(2)
     build = make("gpt2", False)

@@ -10,6 +10,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+import tomllib
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -691,3 +692,37 @@ def test_collate_names_the_key_and_row_that_do_not_fit():
         rc.text.collate([row(8), row(8, labels=np.zeros(8))])
     with pytest.raises(ValueError, match=r"collate: row 1 lacks key 'labels', which row 0 has"):
         rc.text.collate([row(8, labels=np.zeros(8)), row(8)])
+
+
+def test_tokenize_prints_its_bytes_to_a_log(tok, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(name, raising=False)
+    Path("a.txt").write_text("hello world\n" * 100)
+    rc.text.tokenize(Path("a.txt"), tok, "tokens")
+    (line,) = capsys.readouterr().out.splitlines()  # stdout is no terminal: one line, at the end
+    assert re.fullmatch(r"tokenize a\.txt: 1\.2 kB/1\.2 kB \(100%\), [\d.]+ [kMG]?B/s", line), line
+
+
+def test_a_symlink_beside_its_file_is_tokenized_once(tok, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = _docs(2)
+    for i, doc in enumerate(docs):
+        (corpus / f"{i}.txt").write_text(doc)
+    (corpus / "2.txt").symlink_to(corpus / "0.txt")  # the same file under another name
+    tokens = rc.text.tokenize(corpus, tok, tmp_path / "tokens", progress=False)
+    assert tokens.meta["files"] == [str(corpus / "0.txt"), str(corpus / "1.txt")]
+    np.testing.assert_array_equal(np.asarray(tokens.tokens), _reference_tokens(tok, docs))
+
+
+def test_a_missing_tokenizer_package_names_what_to_install(monkeypatch):
+    from redcoast.text import _tokenizer
+
+    for module, fix in (("tokenizers", "pip install tokenizers"), ("transformers", "redcoast[hf]")):
+        monkeypatch.setitem(sys.modules, module, None)  # `import` fails as if not installed
+        with pytest.raises(ImportError, match=re.escape(fix)):
+            _tokenizer._import(module)
+    # In the default install, not behind an extra.
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert any(d.startswith("tokenizers") for d in project["project"]["dependencies"])

@@ -27,6 +27,7 @@ from .parallel._sequence import SequenceParallel as SequenceParallel
 from .parallel.mesh import make_mesh as make_mesh
 from .parallel.place import place as place
 from .parallel.place import sharded_init as sharded_init
+from .parallel.place import unplace as unplace
 from .parallel.sharding import ShardingPlan as ShardingPlan
 from .parallel.sharding import sharding_plan as sharding_plan
 from .parallel.sharding import sharding_report as sharding_report
@@ -46,6 +47,7 @@ from .train.fit import fit as fit
 from .train.inference_step import eval_step as eval_step
 from .train.inference_step import predict_step as predict_step
 from .train.logging import jsonl_logger as jsonl_logger
+from .train.logging import median_speed as median_speed
 from .train.logging import tensorboard_logger as tensorboard_logger
 from .train.logging import wandb_logger as wandb_logger
 from .train.loop import Hook as Hook

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Mapping
@@ -157,24 +158,83 @@ def main() -> None:
     help="Optimizer steps to train.",
 )
 @click.option(
-    "--workdir", default=None, help="Logs and outputs  [default: a new folder under runs/demo]"
+    "--workdir",
+    default=None,
+    help="Logs, checkpoints and outputs  [default: a new folder under runs/demo]",
 )
-def demo(devices: int, n_model_shards: int, max_steps: int, workdir: str | None) -> None:
+@click.option(
+    "--resume", is_flag=True, help="Continue the stopped run in --workdir from its checkpoint."
+)
+def demo(
+    devices: int, n_model_shards: int, max_steps: int, workdir: str | None, resume: bool
+) -> None:
     """Train a small byte-level language model on Python's own docs, tensor parallel.
 
     Runs examples/language_modeling.py on simulated CPU devices: the model is split
     across `--n-model-shards` devices and the batch across the rest. Prints the
-    sharding plan's summary, a progress bar, a generated sample and the metrics.
-    Each run gets a folder of its own under runs/demo unless `--workdir` names one.
+    sharding plan's summary, progress, a generated sample and the metrics, speed
+    included (tokens/s, seconds per step). Each run gets a folder of its own under
+    runs/demo unless `--workdir` names one; a run stopped by SIGTERM or Ctrl-C saves
+    a checkpoint there, and `--workdir FOLDER --resume` continues it.
     """
+    if resume and workdir is None:
+        raise click.UsageError("--resume continues a run: name its folder with --workdir.")
     if workdir is None:
         workdir = _fresh_folder(Path("runs/demo"))
         click.echo(f"workdir: {workdir}")
-    _run_example(
-        "language_modeling",
-        devices,
-        {"n_model_shards": n_model_shards, "max_steps": max_steps, "workdir": workdir},
+    options = {"n_model_shards": n_model_shards, "max_steps": max_steps}
+    metrics = _run_example(
+        "language_modeling", devices, {**options, "workdir": workdir, "resume": resume}
     )
+    if "stopped_after_step" in metrics:
+        again = ["redcoast demo", f"--workdir {shlex.quote(workdir)}", "--resume"]
+        given = {"--devices": (devices, 8), "--n-model-shards": (n_model_shards, 2)}
+        given["--max-steps"] = (max_steps, 300)
+        again += [f"{flag} {value}" for flag, (value, default) in given.items() if value != default]
+        click.echo(f"to continue: {' '.join(again)}", err=True)
+
+
+@main.command()
+@click.argument("folder", default="checkpoints/gpt2", required=False)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Optimizer steps of pretraining.",
+)
+@click.option(
+    "--devices",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Simulated CPU devices.",
+)
+@click.option(
+    "--n-model-shards",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Tensor-parallel shards.",
+)
+def pretrained(folder: str, steps: int, devices: int, n_model_shards: int) -> None:
+    """Make a small pretrained GPT-2 and its tokenizer in FOLDER (checkpoints/gpt2), offline.
+
+    A byte-level BPE tokenizer (4096 ids) and a GPT-2 (4 layers, width 128, 256
+    positions) trained for --steps on Python's documentation (pydoc_data.topics),
+    written as a Hugging Face folder: config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json, which rc.models.from_hf, rc.text and transformers open.
+    It is `redcoast run finetune`'s base (runs/finetune/base). A FOLDER that already
+    holds one is kept; delete it to make another.
+    """
+    _simulate_devices(devices)
+    base = _examples.load_example("_pretrained")
+    try:
+        path = base.base_checkpoint(folder, n_model_shards=n_model_shards, steps=steps)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from err
+    names = ", ".join(sorted(p.name for p in Path(path).iterdir()))
+    click.echo(f"{path}: {names}")
 
 
 @main.group(cls=_Examples, subcommand_metavar="EXAMPLE [OPTIONS]")
@@ -288,29 +348,32 @@ def plan(
     devices = devices or hardware.devices or 8
     # A TPU slice's devices come from its topology; the CPU's run everything else.
     _simulate_devices(devices if hardware.kind != "tpu" else 1)
+    from ._progress import heartbeat
     from .models import planning
 
+    what = f"planning {model}: compiling the train step for each layout tried"
     try:
-        result = planning.memory_plan(
-            model,
-            target=target,
-            devices=devices,
-            n_model_shards=n_model_shards,
-            fsdp=fsdp,
-            seq_len=seq_len,
-            per_device_batch_size=per_device_batch_size,
-            precision=precision,
-            remat=remat,
-            sequence_parallel=sequence_parallel,
-            context_parallel=context_parallel,
-            device_memory=device_memory,
-            search=search,
-            longest_seq=longest_seq,
-            lora_rank=lora_rank,
-            lora_targets=lora_targets,
-            frozen_dtype=frozen_dtype,
-            preference=preference,
-        )
+        with heartbeat(what if search else f"planning {model}: compiling the train step"):
+            result = planning.memory_plan(
+                model,
+                target=target,
+                devices=devices,
+                n_model_shards=n_model_shards,
+                fsdp=fsdp,
+                seq_len=seq_len,
+                per_device_batch_size=per_device_batch_size,
+                precision=precision,
+                remat=remat,
+                sequence_parallel=sequence_parallel,
+                context_parallel=context_parallel,
+                device_memory=device_memory,
+                search=search,
+                longest_seq=longest_seq,
+                lora_rank=lora_rank,
+                lora_targets=lora_targets,
+                frozen_dtype=frozen_dtype,
+                preference=preference,
+            )
         if specs:
             click.echo(str(planning.sharding_plan_of(model, result.layout, result.lora)) + "\n")
     except (ValueError, TypeError) as err:
@@ -359,21 +422,25 @@ def _check_writable(path: str, option: str) -> None:
     default=None,
     help="Stop every process after this many seconds (exit code 124).",
 )
+@click.option(
+    "--verbose", is_flag=True, help="Also show Gloo's line for every connection it makes."
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch(
     nprocs: int,
     devices_per_proc: int,
     port: int | None,
     timeout: float | None,
+    verbose: bool,
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND as NPROCS local processes that form one JAX job.
 
     Example: redcoast launch --nprocs 2 --devices-per-proc 4 -- python train.py
 
-    Output is prefixed with each process's rank. If one fails, the launcher names
-    it, stops the rest and returns its exit code (128 + N for a process killed by
-    signal N); no process is left behind.
+    Output is prefixed with each process's rank (Gloo's connection lines only with
+    --verbose). If one fails, the launcher names it, stops the rest and returns its
+    exit code (128 + N for a process killed by signal N); no process is left behind.
     """
     from .distributed import launch as run
 
@@ -383,6 +450,7 @@ def launch(
         devices_per_proc=devices_per_proc,
         port=port,
         timeout=timeout,
+        verbose=verbose,
     )
     sys.exit(128 - code if code < 0 else code)
 

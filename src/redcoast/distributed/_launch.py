@@ -10,6 +10,7 @@ re-exports `launch` and `free_port`.
 import contextlib
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,10 @@ ENV_NPROCS = "REDCOAST_NUM_PROCESSES"
 ENV_RANK = "REDCOAST_PROCESS_ID"
 ENV_HEARTBEAT = "REDCOAST_HEARTBEAT_TIMEOUT"
 ENV_WATCHDOG = "REDCOAST_WATCHDOG"
+
+# What Gloo prints for every connection it makes (24 lines for 2 processes of 4
+# devices): hidden unless asked for, since it says nothing a user acts on.
+_CONNECTION_NOISE = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.")
 
 _FAILURE_GRACE_SECONDS = 5.0
 _STOP_GRACE_SECONDS = 30.0  # SLURM's default KillWait between SIGTERM and SIGKILL
@@ -162,10 +167,12 @@ def launch(
     port: int | None = None,
     env: Mapping[str, str] | None = None,
     timeout: int | float | None = None,
+    verbose: bool = False,
 ) -> int:
     """Run `command` as `nprocs` local processes of `devices_per_proc` simulated CPU devices.
 
-    Output lines are prefixed with the rank. When one process fails, the launcher
+    Output lines are prefixed with the rank; Gloo's line for each connection it
+    makes is left out unless `verbose`. When one process fails, the launcher
     says which (on stderr) and stops the others (SIGTERM, SIGKILL 5 s later); the
     result is that first non-zero exit code (0 when all succeed, minus the signal
     number for a process killed by a signal). When the launcher itself gets
@@ -182,6 +189,7 @@ def launch(
         env: extra environment variables for every process. `REDCOAST_WATCHDOG=1` is
             set unless `env` says otherwise (see `initialize`).
         timeout: seconds after which everything is stopped and 124 returned.
+        verbose: pass on every line the processes print, Gloo's connections too.
 
     Returns:
         The exit code.
@@ -207,6 +215,8 @@ def launch(
     def pump(rank: int, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
         for raw in iter(proc.stdout.readline, b""):
+            if not verbose and _CONNECTION_NOISE.match(raw):
+                continue
             with lock:
                 sys.stdout.write(f"[{rank}] {raw.decode(errors='replace')}")
                 sys.stdout.flush()

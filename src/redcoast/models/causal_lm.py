@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from ..nn import Norm, RematPolicy, normalise, table_dtype, tied_logits
 from ..parallel import fsdp
+from ..parallel.place import placement_hint
 from . import hf
 from ._stack import run_stack
 from .checks import check_range
@@ -161,9 +162,10 @@ class AbstractCausalLM(hf.HFModel):
                 "positions",
                 f"{type(self).__name__}'s position table has {limit} positions.",
             )
-        x = self._embed(input_ids, positions)
-        x, _ = self._blocks(x, positions, None, 0, segment_ids)
-        return self._logits(x)
+        with placement_hint():
+            x = self._embed(input_ids, positions)
+            x, _ = self._blocks(x, positions, None, 0, segment_ids)
+            return self._logits(x)
 
     def decode(
         self,

@@ -26,6 +26,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ..nn import Norm, RematPolicy, attention, normalise, table_dtype
 from ..parallel import fsdp
+from ..parallel.place import placement_hint
 from . import hf
 from ._stack import Stack, run_stack
 from .checks import check_range
@@ -453,15 +454,15 @@ class AbstractSeq2SeqLM(hf.HFModel):
             Logits, `(seq, vocab)`.
         """
         del key
-        memory = self.encode(input_ids, attention_mask)
         seq = decoder_input_ids.shape[0]
         self._check_length(seq, "decoder_input_ids")
         positions = jnp.arange(seq)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        cross = self.cross_cache(memory)
-        logits, _ = self._decoder(
-            decoder_input_ids, positions, positions, causal, cross, None, 0, attention_mask
-        )
+        with placement_hint():
+            cross = self.cross_cache(self.encode(input_ids, attention_mask))
+            logits, _ = self._decoder(
+                decoder_input_ids, positions, positions, causal, cross, None, 0, attention_mask
+            )
         return logits
 
     def _decoder(

@@ -7,13 +7,15 @@ step is about to donate the caller's own? They live here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
@@ -106,6 +108,61 @@ def place(
         else:
             specs = jax.tree.map(lambda _: P(), eqx.filter(model, eqx.is_array))
     return shard(model, mesh, specs)
+
+
+def unplace(model: PyTree, device: Any = None) -> PyTree:
+    """Take `model` off its mesh: every array whole on one device, as before `place`.
+
+    Undoes `place`, `sharded_init` and the placement of the model `fit` returns,
+    `fsdp=True` included. A placed array lives on every device of its mesh, so JAX
+    refuses to combine it with one committed to a single device ("Received
+    incompatible devices for jitted computation"), and `jax.device_put(model,
+    device)` stops at the model's non-array fields; this moves the arrays alone.
+    Arrays split over several processes are gathered first (every process must
+    call it). The whole model must fit on `device`.
+
+    Args:
+        model: an Equinox model (or any pytree); its non-array fields are kept.
+        device: a `jax.Device`, where the arrays go; default: this process's first device.
+
+    Returns:
+        The model with every array a `jax.Array` on `device` alone.
+
+    Example:
+        >>> model = rc.unplace(result.model)            # after fit(..., fsdp=True)
+        >>> logits = jax.jit(model)(jax.device_put(x, jax.devices()[0]))
+    """
+    device = device or jax.local_devices()[0]
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = multihost_utils.process_allgather(x, tiled=True)
+        return jax.device_put(x, device)
+
+    return eqx.combine(jax.tree.map(one, arrays), static)
+
+
+@contextlib.contextmanager
+def placement_hint() -> Iterator[None]:
+    """Name the way out when JAX refuses a placed model's arrays beside an input on one device.
+
+    A model on a mesh (`place`, `from_hf(..., mesh=...)`, `fsdp=True`, `fit`'s result)
+    has arrays on every device of the mesh; called outside `jit` with an input
+    committed to one device, JAX raises "Received incompatible devices". The error
+    gets a note saying what to do.
+    """
+    try:
+        yield
+    except ValueError as err:
+        if "incompatible devices" in str(err):
+            err.add_note(
+                "redcoast: the model's arrays are placed on a mesh (rc.place, from_hf(mesh=...), "
+                "fsdp=True or fit's result) and an input is on one device. Move the model to "
+                "one device with rc.unplace(model), or put the input on the mesh: "
+                "jax.device_put(x, NamedSharding(mesh, P()))."
+            )
+        raise
 
 
 def sharded_init(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -207,14 +206,11 @@ def build_records(
 
     def fill(writer: Writer) -> None:
         prints: list[list[Any]] = []
-        bar = progress_bar(None, progress and is_lead(), label)
-        with bar if bar is not None else contextlib.nullcontext():
-            task = None if bar is None else bar.add_task("", total=None)
+        with progress_bar(None, progress and is_lead(), label, unit="record") as bar:
             for chunk in batched(read(prints), 1024):
                 for ids, mask, origin in encode(tok, chunk, keys):
                     writer.add(ids, origin, mask)
-                if bar is not None:
-                    bar.advance(task, len(chunk))  # type: ignore[arg-type]
+                bar.advance(len(chunk))
         # Files are fingerprinted from the very bytes tokenized.
         if files is not None:
             writer.meta["sources"] = prints

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from .._progress import BYTES, Progress
 from ._token_file import is_token_folder
 
 Source = str | os.PathLike[str] | Iterable[Any]
@@ -21,6 +21,9 @@ records for `tokenize_instructions`)."""
 
 def list_files(source: Any, pattern: str, *, output: Path) -> list[Path] | None:
     """The files a path or list of `Path`s names, sorted; None when `source` is not paths.
+
+    Each file comes once, by its real path (`_once`): a symlink in a folder beside the
+    file it points to is read once.
 
     Files inside a token folder (one redcoast wrote, is writing, or `output`, the one
     this call writes) are never input: a folder's are skipped, and one named on its
@@ -71,6 +74,19 @@ def list_files(source: Any, pattern: str, *, output: Path) -> list[Path] | None:
             out.append(p)
         else:
             raise ValueError(f"{p} does not exist; give a file, a folder or a list of Paths.")
+    return _once(out)
+
+
+def _once(files: list[Path]) -> list[Path]:
+    """Each file once, by its real path: a symlink beside its target (or a file named
+    twice) would otherwise be tokenized twice. The first name found is kept."""
+    seen: set[Path] = set()
+    out = []
+    for f in files:
+        real = f.resolve()
+        if real not in seen:
+            seen.add(real)
+            out.append(f)
     return out
 
 
@@ -207,8 +223,6 @@ def describe_keys(record: Any) -> str:
     return str(sorted(record)) if isinstance(record, dict) else type(record).__name__
 
 
-def progress_bar(total: int | None, enabled: bool, what: str) -> Progress | None:
-    if not enabled:
-        return None
-    columns = [TextColumn(f"[bold]tokenize {what}"), BarColumn(), DownloadColumn()]
-    return Progress(*columns, TimeRemainingColumn(), transient=True)
+def progress_bar(total: int | None, enabled: bool, what: str, unit: str = BYTES) -> Progress:
+    """Tokenizing's progress: bytes of files (or records) done, while process 0 reads."""
+    return Progress(f"tokenize {what}", total, unit=unit, enabled=enabled, transient=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Iterable, Iterator
@@ -131,10 +130,8 @@ def _encode_pieces(
     """Encode pieces in batches and append their documents to `writer`."""
     assert tok.eos_id is not None
     prefix, eos = tok.prefix, [tok.eos_id]
-    bar = progress_bar(total, progress and is_lead(), what)
-    task = None if bar is None else bar.add_task("", total=total)
     started = False  # whether the current document has written its prefix
-    with bar if bar is not None else contextlib.nullcontext():
+    with progress_bar(total, progress and is_lead(), what) as bar:
         while True:
             batch, size = [], 0
             for piece in pieces:
@@ -156,8 +153,7 @@ def _encode_pieces(
                     writer.extend(eos)
                     writer.end_document(origin)
                     started = False
-            if bar is not None:
-                bar.advance(task, size)  # type: ignore[arg-type]
+            bar.advance(size)
 
 
 def tokenize(
@@ -199,7 +195,8 @@ def tokenize(
 
     Args:
         source: a file, a folder (every file matching `pattern`, hidden ones and
-            token folders skipped, in sorted order), a list of `Path`s, or an
+            token folders skipped, in sorted order; each file once by its real
+            path, so a symlink beside its target is read once), a list of `Path`s, or an
             iterable of strings (the documents' text; a list of strings that are
             all paths of existing files is refused: pass them as `Path`s).
         tokenizer: a checkpoint folder, a `tokenizer.json`, or a tokenizer object
@@ -210,7 +207,7 @@ def tokenize(
         errors: `"strict"` (undecodable bytes are an error naming the file and line)
             or `"replace"`.
         eos_id: the id between documents; default: the tokenizer's EOS.
-        progress: show a progress bar (over bytes, for files).
+        progress: show the bytes done (a bar in a terminal, else a line every 30 s).
 
     Returns:
         The `TokenFile`.

@@ -45,10 +45,12 @@ def _import(module: str) -> Any:
     try:
         return __import__(module)
     except ImportError as err:
-        raise ImportError(
-            f"redcoast.text needs {module!r}; install it with `pip install 'redcoast[text]'` "
-            "(and `redcoast[hf]` for transformers' AutoTokenizer and chat templates)."
-        ) from err
+        fix = (
+            "`pip install 'redcoast[hf]'` (transformers' AutoTokenizer and chat templates)"
+            if module == "transformers"
+            else f"`pip install {module}` (a dependency of redcoast: the install is incomplete)"
+        )
+        raise ImportError(f"redcoast.text needs {module!r}; install it with {fix}.") from err
 
 
 def load_tokenizer(tokenizer: Any, *, eos_id: int | None = None) -> Tokenizer:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._checks import check_positive
+from .._progress import Progress, compiling
 from ..distributed._host import to_host
 from ..parallel._context_parallel import ContextParallel
 from ..parallel._parallelism import ContextOption, Parallelism, SequenceOption, check_options
@@ -202,11 +204,13 @@ def inference(
     loss_step: Callable[..., dict[str, Any]] | None,
     pred_step: Callable[..., Any] | None,
     output_fn: Callable[[Any], Any] | None,
+    on_batch: Callable[[int], None] = lambda n_valid: None,
 ) -> tuple[dict[str, float] | None, list[Any] | None]:
     """One pass over the batches: the weighted eval loss and/or the per-example outputs.
 
     Batch `i` gets the key `fold_in(key, i)`. A batch's predictions are read while
-    the next one computes.
+    the next one computes. `on_batch(n_valid)` is called once each batch's steps
+    are called (the first call returns once they are compiled).
 
     Args:
         model: the model, on the batches' mesh.
@@ -231,6 +235,7 @@ def inference(
             if pending is not None:
                 outputs.extend(_outputs(*pending, output_fn))
             pending = (preds, batch.n_valid)
+        on_batch(batch.n_valid)
     if pending is not None:
         outputs.extend(_outputs(*pending, output_fn))
     loss_metrics = None
@@ -264,12 +269,17 @@ def predict(
     precision: str = "fp32",
     sequence_parallel: SequenceOption = False,
     context_parallel: ContextOption = False,
+    progress: bool = True,
 ) -> list[Any]:
     """Run `pred_fn` over `examples` on every device; one output per example, in order.
 
     The last batch is padded (repeating the last example) and the padding dropped.
     Outputs are gathered from all processes, so every process gets the full list.
     The model's arrays are only read.
+
+    With `progress`, process 0 says how long the predict step took to compile and
+    shows the examples done: a bar in a terminal, else a line every 30 s
+    (`REDCOAST_PROGRESS_SECONDS`) and at the end.
 
     Args:
         model: an Equinox model; if it is not on `mesh` it is placed there (`place`,
@@ -289,6 +299,7 @@ def predict(
             over the model axis as well (as for `fit`).
         context_parallel: split every sequence over the data axis instead of the
             rows (as for `fit`): batches of `per_device_batch_size` whole rows.
+        progress: report the compilation and the examples done (see above).
 
     Returns:
         A list with one output per example.
@@ -315,19 +326,42 @@ def predict(
     )
     first = next(it)
     model = place(model, mesh, example_call=lambda m: pred_fn(m, first.arrays, key))
-    _, outputs = inference(
-        model,
-        itertools.chain([first], it),
-        key=key,
-        loss_step=None,
-        pred_step=predict_step(
-            pred_fn,
-            precision=precision,
-            parallelism=Parallelism.of(
-                model, sequence_parallel=sequence_parallel, context_parallel=context or False
+    with _progress_of_batches(len(examples), progress and jax.process_index() == 0) as done:
+        _, outputs = inference(
+            model,
+            itertools.chain([first], it),
+            key=key,
+            loss_step=None,
+            pred_step=predict_step(
+                pred_fn,
+                precision=precision,
+                parallelism=Parallelism.of(
+                    model, sequence_parallel=sequence_parallel, context_parallel=context or False
+                ),
             ),
-        ),
-        output_fn=output_fn,
-    )
+            output_fn=output_fn,
+            on_batch=done,
+        )
     assert outputs is not None
     return outputs
+
+
+@contextlib.contextmanager
+def _progress_of_batches(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """`done(n_valid)` for each batch: the first call ends the compilation's label
+    (`compiling the predict step… 3.1 s`) and starts the bar over the examples."""
+    label = compiling("compiling the predict step", enabled=enabled)
+    bar = Progress("predict", total, unit="example", enabled=enabled)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(label)
+        first = True
+
+        def done(n_valid: int) -> None:
+            nonlocal first
+            if first:
+                first = False
+                stack.close()  # the label's time, printed before the bar starts
+                stack.enter_context(bar)
+            bar.advance(n_valid)
+
+        yield done

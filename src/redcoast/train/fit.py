@@ -24,12 +24,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
+from .._progress import compiling
 from ..checkpoint._io import step_checkpoint_path
 from ..checkpoint._run import Checkpointing as Checkpointing
 from ..parallel._context_parallel import ContextParallel
@@ -45,9 +47,19 @@ from ._resume import Run as _Run
 from ._signals import stop_requests as _stop_requests
 from .data import Batch, CollateFn, Examples, batches, global_batch_size, order_fingerprint
 from .evaluate import Evaluation, check_examples
-from .logging import Logger, MetricsBuffer, ProgressBar, close_loggers, jsonl_logger
+from .logging import (
+    STEP_TOKENS,
+    Logger,
+    MetricsBuffer,
+    ProgressBar,
+    close_loggers,
+    describe_speed,
+    jsonl_logger,
+    median_speed,
+)
 from .loop import Hook, LoopState, always, run_loop
 from .step import LossFn, donating_jit, train_step
+from .throughput import peak_flops, step_flops, step_tokens
 from .trainable import Trainable
 from .workdir import claim_workdir as _claim_workdir
 from .workdir import hold_workdir
@@ -62,7 +74,10 @@ class FitResult:
         opt_state: the optimizer state after the last step.
         step: the number of optimizer steps taken.
         history: `"train"`: the logged training records (`step`, `epoch`, `loss`,
-            `grad_norm`, `lr`, `steps_per_s`, `examples_per_s`, aux scalars);
+            `grad_norm`, `lr`, `steps_per_s`, `examples_per_s`, `step_s`,
+            `tokens_per_s` and `mfu` where known (see `redcoast.train.throughput`),
+            aux scalars); `"flops"`: a step's FLOPs per device, how they were
+            counted and the peak, where the devices' peak is known;
             `"eval"`: one record per evaluation (`step`, `epoch`, `eval_loss`,
             `eval_<metric>`); `"best"`: `{"metric", "mode", "value", "step"}` with
             `save_best`; `"timing"`: host seconds per step spent collating
@@ -87,8 +102,8 @@ def _report_stop(run: _Run, state: LoopState) -> None:
         return
     saved = "" if run.ckpts is None else f"; saved {step_checkpoint_path(run.ckpts, state.step)}"
     print(
-        f"redcoast: stopped after step {state.step} ({state.stop}){saved}. Run again with "
-        "resume=True to continue.",
+        f"redcoast: stopped after step {state.step} ({state.stop}){saved}. To continue, run "
+        "fit again with the same workdir and resume=True (a command's --resume option).",
         file=sys.stderr,
         flush=True,
     )
@@ -102,6 +117,7 @@ def _summary(state: LoopState, history: dict[str, Any], seconds: float) -> str:
     if history["eval"]:
         evals = history["eval"][-1]
         parts += [f"{k} {v:.4g}" for k, v in evals.items() if k.startswith("eval_")]
+    parts += describe_speed(median_speed(history["train"]))
     metrics = f": {', '.join(parts)}" if parts else ""
     return f"redcoast: {state.step} steps in {seconds:.1f} s{metrics}"
 
@@ -222,10 +238,16 @@ def _keep_state(err: BaseException, start: LoopState, lead: bool) -> None:
         err.add_note(f"redcoast: fit stopped by this error; {where}.")
 
 
-def _jitted_step(core: Callable[..., Any]) -> Callable[..., Any]:
-    """The jitted step of a run: `(model, opt_state, batch, key, step)`, the key folded in
-    inside, the model and optimizer state donated."""
-    return donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
+def _run_step(core: Callable[..., Any], count: Callable[..., Any]) -> Callable[..., Any]:
+    """The step of a run: `(model, opt_state, batch, key, step)`, the key folded in inside,
+    its metrics with the tokens it learnt from (`count(batch, metrics)`, if any)."""
+
+    def step(m: Any, o: Any, b: Any, k: Any, s: Any) -> tuple[Any, Any, dict[str, Any]]:
+        m, o, metrics = core(m, o, b, jax.random.fold_in(k, s))
+        tokens = count(b, metrics)
+        return m, o, metrics if tokens is None else {**metrics, STEP_TOKENS: tokens}
+
+    return step
 
 
 def _evaluation_of(
@@ -252,7 +274,7 @@ def _hand_over_and_train(
     run: _Run,
     state: LoopState,
     history: dict[str, Any],
-    step: Callable[..., Any],
+    traced: Callable[..., Any],
     first: Batch,
     epoch_batches: Callable[[int, int], tuple[Iterator[Batch], int]],
     loop: _Loop,
@@ -263,10 +285,23 @@ def _hand_over_and_train(
 
     The first step is traced and compiled while the caller's arrays are still theirs,
     so a `loss_fn` or shape error leaves them as they were; its first call runs this
-    program. From the hand-over on, an error carries the run's state (`_keep_state`).
+    program. Where the devices' peak is known, the compiled program's FLOPs are
+    counted (`throughput.step_flops`) for the records' MFU. From the hand-over on,
+    an error carries the run's state (`_keep_state`).
     """
-    lower = cast(Any, step).lower
-    lower(state.model, state.opt_state, first.arrays, run.key, np.int32(state.step)).compile()
+    step = donating_jit(traced)
+    args = (state.model, state.opt_state, first.arrays, run.key, np.int32(state.step))
+    with compiling("compiling the train step", enabled=loop.progress and run.lead):
+        compiled = cast(Any, step).lower(*args).compile()
+    peak = peak_flops(run.mesh.devices.flat[0])
+    flops = None
+    if peak is not None:
+        flops, how = step_flops(
+            compiled.compiled,
+            lambda: eqx.filter_make_jaxpr(traced)(*args)[0],
+            n_devices=run.mesh.size,
+        )
+        history["flops"] = {"per_device_step": flops, "counted": how, "peak": peak}
     state = _hand_over(state, given, donate)
     try:
         return _train(
@@ -276,6 +311,7 @@ def _hand_over_and_train(
             lambda m, o, b, s: step(m, o, b, run.key, np.int32(s)),
             epoch_batches,
             loop,
+            (flops, peak),
         )
     except BaseException as err:
         _keep_state(err, state, run.lead)
@@ -289,10 +325,12 @@ def _train(
     step_fn: Callable[..., Any],
     epoch_batches: Callable[[int, int], tuple[Iterator[Batch], int]],
     loop: _Loop,
+    speed: tuple[float | None, float | None] = (None, None),
 ) -> LoopState:
     """Run the loop with `fit`'s hooks: logging, evaluation, stops, checkpoints, the user's.
 
-    Fills `history` ("train", "eval", "timing") and returns the last state.
+    `speed` is a step's FLOPs per device and a device's peak FLOP/s, for MFU. Fills
+    `history` ("train", "eval", "timing") and returns the last state.
     """
     bar = ProgressBar(loop.total, enabled=loop.progress and run.lead, completed=state.step)
     with bar, _stop_requests(run.root is not None) as caught:
@@ -309,6 +347,8 @@ def _train(
             raise_nonfinite=loop.on_nonfinite == "raise",
             step=state.step,
             records=history["train"],
+            flops_per_step=speed[0],
+            peak_flops=speed[1],
         )
         evaluating = None
         if loop.evaluate is not None:
@@ -436,6 +476,18 @@ def fit(
     the run reached (`.model`, `.opt_state`, `.step`), and a note on the error
     says so.
 
+    Every `log_every` steps a record goes to `workdir/metrics.jsonl`, the `loggers`
+    and `history["train"]`: the loss, gradient norm, learning rate and aux scalars of
+    the last step, and over the steps since the previous record `steps_per_s`,
+    `examples_per_s`, `step_s` and `tokens_per_s`, which counts `loss_fn`'s `tokens`
+    aux (`rc.models.lm_loss` returns one: the tokens whose prediction counts), else
+    the ones of the batch's `loss_mask` (or `attention_mask`), else rows x length of
+    its first integer array of two axes (token ids); a batch without one has no
+    tokens/s. Where a device's peak FLOP/s is known (`REDCOAST_PEAK_FLOPS`, or the
+    accelerators of `redcoast.train.throughput.PEAK_FLOPS`; never CPUs) records get
+    `mfu` too: the compiled step's FLOPs per device (XLA's cost analysis, loops'
+    matrix products counted per iteration) per second over that peak.
+
     With a workdir, SIGTERM and SIGINT (Ctrl-C) stop the run after the current
     step: a checkpoint is saved, the handlers that were there before are restored
     and `FitResult.stopped_by` names the signal. A second signal goes to the
@@ -505,8 +557,10 @@ def fit(
         log_every: fetch metrics from the devices and log every this many steps (and
             at epoch ends, evaluations and checkpoints).
         loggers: callables `(metrics, step) -> None`, called on process 0.
-        progress: show a progress bar on process 0, and one line at the end: steps,
-            seconds and the last logged metrics.
+        progress: on process 0, say how long the train step took to compile, show
+            the steps done with the latest metrics and speed (a bar when stdout is a
+            terminal, else a line every 30 s, `REDCOAST_PROGRESS_SECONDS`, and at the
+            end), then one line: steps, seconds, the last metrics and median speed.
         schedule: `count -> lr`, to log the learning rate.
         hooks: `Hook`s (e.g. `every(n, fn)`) run after the built-in logging and
             evaluation, before checkpointing; a hook may return the state to go on
@@ -559,7 +613,7 @@ def fit(
             evaluation=evaluation,
             resume=resume,
         )
-        step = _jitted_step(
+        step = _run_step(
             train_step(
                 loss_fn,
                 optimizer,
@@ -572,7 +626,12 @@ def fit(
                 trainable=mask,
                 parallelism=run.parallelism,
                 jit=False,
-            )
+            ),
+            functools.partial(
+                step_tokens,
+                micro_batches=accumulate_grad_batches,
+                data_shards=mesh_shape(mesh)[0] if data_parallel == "shard_map" else 1,
+            ),
         )
         metrics_file = Path(root or ".", "metrics.jsonl")
         loop = _Loop(

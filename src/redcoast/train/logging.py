@@ -20,19 +20,14 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 import jax
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TextColumn,
-    TimeRemainingColumn,
-)
-from rich.text import Text
+
+from .._progress import Progress
 
 Logger = Callable[[dict[str, Any], int], None]
 """`(metrics, step) -> None`."""
+
+STEP_TOKENS = "_step_tokens"
+"""The metric a step adds with its count of tokens; records show `tokens_per_s` instead."""
 
 
 def _import_extra(module: str, extra: str) -> ModuleType:
@@ -209,27 +204,59 @@ def close_loggers(loggers: Iterable[Logger]) -> None:
             close()
 
 
-class _Rate(ProgressColumn):
-    def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text("" if speed is None else f"{speed:.2f} step/s", style="progress.data.speed")
-
-
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-class ProgressBar:
-    """A rich progress bar over optimizer steps with the latest loss and learning rate.
+def describe_speed(metrics: Mapping[str, Any]) -> list[str]:
+    """`12,345 tokens/s`, `0.21 s/step`, `MFU 31%`: what a record says of the speed."""
+    parts = []
+    if isinstance(metrics.get("tokens_per_s"), float):
+        parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
+    if isinstance(metrics.get("step_s"), float):
+        parts.append(f"{metrics['step_s']:.3g} s/step")
+    if isinstance(metrics.get("mfu"), float):
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+    return parts
 
+
+def median_speed(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """The median `tokens_per_s`, `step_s` and `mfu` of a run's logged records.
+
+    Args:
+        records: `FitResult.history["train"]`.
+
+    Returns:
+        Each of the three that the records have.
+
+    Example:
+        >>> median_speed(result.history["train"])
+        {'tokens_per_s': 41234.5, 'step_s': 0.0124}
+    """
+    records = list(records)
+    out = {}
+    for key in ("tokens_per_s", "step_s", "mfu"):
+        values = sorted(r[key] for r in records if isinstance(r.get(key), float))
+        if values:
+            mid = len(values) // 2
+            out[key] = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    return out
+
+
+class ProgressBar:
+    """Progress over optimizer steps with the latest loss, learning rate and speed.
+
+    A rich bar when stdout is a terminal; otherwise a line every
+    `REDCOAST_PROGRESS_SECONDS` (30) and at the end (`redcoast._progress.Progress`).
     Use as a context manager; when `enabled` is false every method does nothing, so
     callers need no branches for non-zero processes.
 
     Args:
         total: the number of steps, or None when unknown.
-        enabled: draw the bar (normally `jax.process_index() == 0 and progress`).
+        enabled: show progress (normally `jax.process_index() == 0 and progress`).
         description: the label on the left.
         completed: steps already done (when resuming).
+        **how: `live`, `seconds`, `clock`, as `Progress` takes them.
 
     Example:
         >>> with ProgressBar(100) as bar:
@@ -245,27 +272,15 @@ class ProgressBar:
         enabled: bool = True,
         description: str = "train",
         completed: int = 0,
+        **how: Any,
     ):
-        self._progress: Progress | None = None
-        self._task: Any = None
+        self._progress = Progress(
+            description, total, unit="step", enabled=enabled, completed=completed, **how
+        )
         self._latest: dict[str, Any] = {}
-        if enabled:
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                _Rate(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
-                refresh_per_second=4,
-            )
-            self._task = self._progress.add_task(
-                description, total=total, completed=completed, info=""
-            )
 
     def __enter__(self) -> ProgressBar:
-        if self._progress is not None:
-            self._progress.start()
+        self._progress.__enter__()
         return self
 
     def __exit__(
@@ -274,21 +289,19 @@ class ProgressBar:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._progress is not None:
-            self._progress.stop()
+        self._progress.__exit__(exc_type, exc, tb)
 
     def advance(self, step: int) -> None:
         """Mark `step` optimizer steps as done."""
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step)
+        self._progress.update(step)
 
     def show(self, metrics: Mapping[str, Any]) -> None:
-        """Show `loss` and `lr` (and eval metrics, if present) next to the bar."""
-        if self._progress is not None:
-            keys = ("loss", "lr", "eval_loss")
-            self._latest.update({k: metrics[k] for k in keys if k in metrics})
-            info = "  ".join(f"{k} {_fmt(v)}" for k, v in self._latest.items())
-            self._progress.update(self._task, info=info)
+        """Show `loss`, `lr` (and eval metrics, if present) and the speed next to the bar."""
+        keys = ("loss", "lr", "eval_loss", "tokens_per_s", "step_s", "mfu")
+        self._latest.update({k: metrics[k] for k in keys if k in metrics})
+        shown = [f"{k} {_fmt(self._latest[k])}" for k in keys[:3] if k in self._latest]
+        info = "  ".join(shown + describe_speed(self._latest))
+        self._progress.update(self._progress.done, info)
 
 
 def _nonfinite_error(step: int, epoch: int, metrics: Mapping[str, Any]) -> FloatingPointError:
@@ -320,6 +333,14 @@ class MetricsBuffer:
             gradient norm or parameters were not finite.
         step: the step training starts from, for the first rate.
         records: the list the logged records are appended to (`history["train"]`).
+        flops_per_step: FLOPs one step runs on each device (`throughput.step_flops`).
+        peak_flops: a device's peak FLOP/s; with `flops_per_step`, records get `mfu`.
+        clock: the time in seconds (tests pass a fake one).
+
+    Each record holds the last step's metrics and, over the steps since the
+    previous record, `steps_per_s`, `examples_per_s`, `step_s` (seconds per step),
+    `tokens_per_s` (when the step counts tokens: `STEP_TOKENS`, see
+    `throughput.step_tokens`) and `mfu` (FLOPs per second per device over the peak).
 
     Example:
         >>> buffer = MetricsBuffer(emit=print, examples_per_step=64, raise_nonfinite=True)
@@ -334,12 +355,18 @@ class MetricsBuffer:
         raise_nonfinite: bool,
         step: int = 0,
         records: list[dict[str, Any]] | None = None,
+        flops_per_step: float | None = None,
+        peak_flops: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self._emit = emit
+        self._flops = flops_per_step
+        self._peak = peak_flops
+        self._now = clock
         self._size = examples_per_step
         self._raise = raise_nonfinite
         self._pending: list[tuple[int, int, dict[str, Any]]] = []
-        self._clock = (time.perf_counter(), step)
+        self._clock = (clock(), step)
         self.records: list[dict[str, Any]] = [] if records is None else records
         self.last: dict[str, Any] = {}
 
@@ -359,13 +386,21 @@ class MetricsBuffer:
                 if float(m.get("nonfinite", 0.0)):
                     raise _nonfinite_error(s, e, m)
         s, e, _ = chunk[-1]
-        now = time.perf_counter()
-        rate = (s - self._clock[1]) / max(now - self._clock[0], 1e-9)
+        now = self._now()
+        steps, seconds = s - self._clock[1], max(now - self._clock[0], 1e-9)
+        rate = steps / seconds
         self._clock = (now, s)
-        record = {"epoch": e, **{k: float(v) for k, v in host[-1].items() if k != "nonfinite"}}
+        hidden = ("nonfinite", STEP_TOKENS)
+        record = {"epoch": e, **{k: float(v) for k, v in host[-1].items() if k not in hidden}}
         if "skipped" in record:
             record["skipped"] = sum(float(m["skipped"]) for m in host)
         record.update(steps_per_s=rate, examples_per_s=rate * self._size)
+        if steps > 0:
+            record["step_s"] = seconds / steps
+        if all(STEP_TOKENS in m for m in host):
+            record["tokens_per_s"] = sum(float(m[STEP_TOKENS]) for m in host) / seconds
+        if self._flops is not None and self._peak is not None:
+            record["mfu"] = self._flops * rate / self._peak
         self.records.append({"step": s, **record})
         self.last = record
         self._emit(record, s)

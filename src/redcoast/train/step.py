@@ -54,6 +54,10 @@ _RESERVED = (
     "epoch",
     "steps_per_s",
     "examples_per_s",
+    "step_s",
+    "tokens_per_s",
+    "mfu",
+    "_step_tokens",
 )
 _T = TypeVar("_T")
 

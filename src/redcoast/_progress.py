@@ -1,0 +1,303 @@
+"""Progress a person can follow: a bar in a terminal, a line at intervals in a log.
+
+`fit`, `predict`, `rc.text.tokenize` and `redcoast plan` report through `Progress`.
+When stdout is a terminal (or a notebook) rich draws a bar that updates in place.
+Anywhere else (a file, a pipe, a scheduler's log) such a bar would appear only when
+it ends, so a line is printed instead every `REDCOAST_PROGRESS_SECONDS` seconds (30
+unless the environment says otherwise) and once at the end: what, how far, how
+fast, the time left and the latest figures. `compiling` labels the wait for XLA,
+`heartbeat` a wait with nothing to count.
+
+Nothing global is installed: a `Progress` writes to stdout while it is open, and a
+heartbeat's thread lives as long as its `with` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+
+from rich.console import Console
+from rich.errors import LiveError
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import Progress as _Rich
+from rich.text import Text
+
+from ._units import fmt_bytes
+
+__all__ = ["ENV_SECONDS", "Progress", "compiling", "duration", "heartbeat", "interactive"]
+
+ENV_SECONDS = "REDCOAST_PROGRESS_SECONDS"
+"""Seconds between two progress lines when stdout is not a terminal (default 30)."""
+_DEFAULT_SECONDS = 30.0
+BYTES = "byte"
+"""The unit whose counts are written as sizes (`12.3 MB`)."""
+
+
+def interactive() -> bool:
+    """Whether stdout is a terminal or a notebook, where a bar can update in place."""
+    console = Console(file=sys.stdout)
+    return console.is_terminal or console.is_jupyter
+
+
+def line_seconds() -> float:
+    """Seconds between progress lines: `REDCOAST_PROGRESS_SECONDS`, else 30."""
+    text = os.environ.get(ENV_SECONDS, "").strip()
+    if not text:
+        return _DEFAULT_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or not math.isfinite(seconds):
+        raise ValueError(f"{ENV_SECONDS}={text!r}: give a positive number of seconds, e.g. 30.")
+    return seconds
+
+
+def duration(seconds: int | float) -> str:
+    """`4s`, `3m 05s`, `2h 01m`: a duration as a log line shows it."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+def _count(n: int | float, unit: str) -> str:
+    return fmt_bytes(n) if unit == BYTES else f"{round(n):,}"
+
+
+def _rate(rate: float, unit: str) -> str:
+    if unit == BYTES:
+        return f"{fmt_bytes(rate)}/s"
+    return f"{rate:.3g} {unit}s/s" if rate < 100 else f"{rate:,.0f} {unit}s/s"
+
+
+class _Rate(ProgressColumn):
+    def __init__(self, unit: str):
+        super().__init__()
+        self._unit = unit
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        text = "" if speed is None else _rate(speed, self._unit)
+        return Text(text, style="progress.data.speed")
+
+
+class Progress:
+    """How far a task has come, shown while it runs, on process 0 only (callers decide).
+
+    In a terminal: a rich bar with the count, rate, time left and `info`. Elsewhere:
+    `"{what}: 120/300 steps (40%), 2.31 steps/s, ETA 1m 17s; {info}"` every
+    `seconds` (see `line_seconds`) and at the end. When another rich display is
+    already live (a `predict` inside a `fit` hook), lines are printed instead, above it.
+
+    Args:
+        what: the label (`"train"`, `"predict"`, `"tokenize corpus/"`).
+        total: the count at the end, or None when unknown.
+        unit: what is counted, singular (`"step"`, `"example"`); `BYTES` writes sizes.
+        enabled: show anything at all (normally `progress and jax.process_index() == 0`).
+        completed: the count already done (a resumed run).
+        transient: in a terminal, remove the bar when done.
+        live: draw a bar (True) or print lines (False); default: whether stdout is a
+            terminal (`interactive`).
+        seconds: between two lines; default `line_seconds()`.
+        clock: the time in seconds (tests pass a fake one).
+
+    Example:
+        >>> with Progress("train", 300, unit="step") as p:
+        ...     for step in range(1, 301):
+        ...         p.update(step, info="loss 2.31")
+    """
+
+    def __init__(
+        self,
+        what: str,
+        total: int | float | None,
+        *,
+        unit: str = "step",
+        enabled: bool = True,
+        completed: int | float = 0,
+        transient: bool = False,
+        live: bool | None = None,
+        seconds: int | float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.what, self.total, self.unit = what, total, unit
+        self._enabled = enabled
+        self._done = completed
+        self._info = ""
+        self._clock = clock
+        self._seconds = seconds
+        self._bar: _Rich | None = None
+        self._task: object = None
+        self._transient = transient
+        self._live = live
+        self._open = False
+        # Lines: when and where the last one was printed, and whether one is due at the end.
+        self._last = (0.0, completed)
+        self._printed: int | float | None = None  # the count of the last line; None before one
+
+    def __enter__(self) -> Progress:
+        if not self._enabled:
+            return self
+        if self._live if self._live is not None else interactive():
+            self._bar = self._rich()
+            try:
+                self._bar.start()
+            except LiveError:  # another bar is on screen: lines go above it
+                self._bar = None
+        if self._bar is None and self._seconds is None:
+            self._seconds = line_seconds()
+        self._last = (self._clock(), self._done)
+        self._open = True
+        return self
+
+    def _rich(self) -> _Rich:
+        count = DownloadColumn() if self.unit == BYTES else MofNCompleteColumn()
+        bar = _Rich(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            count,
+            _Rate(self.unit),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            transient=self._transient,
+            refresh_per_second=4,
+        )
+        self._task = bar.add_task(self.what, total=self.total, completed=int(self._done), info="")
+        return bar
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._open:
+            return
+        self._open = False
+        if self._bar is not None:
+            self._bar.stop()
+        elif self._printed != self._done:  # the end, unless the last line showed it
+            self._line(self._clock())
+
+    @property
+    def done(self) -> int | float:
+        """The count done so far."""
+        return self._done
+
+    def update(self, completed: int | float, info: str | None = None) -> None:
+        """Set the count done (and the figures shown beside it, when given)."""
+        if not self._open:
+            return
+        self._done = completed
+        if info is not None:
+            self._info = info
+        if self._bar is not None:
+            self._bar.update(self._task, completed=completed, info=self._info)  # type: ignore[arg-type]
+            return
+        now = self._clock()
+        assert self._seconds is not None
+        if now - self._last[0] >= self._seconds:
+            self._line(now)
+
+    def advance(self, by: int | float, info: str | None = None) -> None:
+        """Add `by` to the count done."""
+        self.update(self._done + by, info)
+
+    def _line(self, now: float) -> None:
+        then, before = self._last
+        rate = (self._done - before) / (now - then) if now > then else None
+        unit = "" if self.unit == BYTES else f" {self.unit}s"
+        if self.total:
+            head = f"{_count(self._done, self.unit)}/{_count(self.total, self.unit)}{unit}"
+            head += f" ({100 * self._done / self.total:.0f}%)"
+        else:
+            head = f"{_count(self._done, self.unit)}{unit}"
+        parts = [head]
+        if rate:
+            parts.append(_rate(rate, self.unit))
+            if self.total and self._done < self.total:
+                parts.append(f"ETA {duration((self.total - self._done) / rate)}")
+        info = f"; {self._info}" if self._info else ""
+        print(f"{self.what}: {', '.join(parts)}{info}", flush=True)
+        self._last = (now, self._done)
+        self._printed = self._done
+
+
+@contextlib.contextmanager
+def compiling(what: str, *, enabled: bool = True) -> Iterator[None]:
+    """Print `what…` before the block and the seconds it took after: `compiling the
+    train step… 12.3 s` (nothing when not `enabled`)."""
+    if not enabled:
+        yield
+        return
+    print(f"{what}…", end="", flush=True)
+    started = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(" failed", flush=True)
+        raise
+    print(f" {time.perf_counter() - started:.1f} s", flush=True)
+
+
+@contextlib.contextmanager
+def heartbeat(
+    what: str, *, enabled: bool = True, live: bool | None = None, seconds: int | float | None = None
+) -> Iterator[None]:
+    """Show that `what` is still going while the block runs, with nothing to count.
+
+    In a terminal a spinner and the time elapsed; elsewhere a line `what: 1m 00s so
+    far` every `seconds` (`line_seconds()` by default), from a thread that ends with
+    the block.
+    """
+    if not enabled:
+        yield
+        return
+    if live if live is not None else interactive():
+        spinner = _Rich(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), transient=True)
+        spinner.add_task(what, total=None)
+        try:
+            spinner.start()
+        except LiveError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            spinner.stop()
+        return
+    every = line_seconds() if seconds is None else seconds
+    done = threading.Event()
+    started = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every):
+            print(f"{what}: {duration(time.monotonic() - started)} so far", flush=True)
+
+    thread = threading.Thread(target=beat, name="redcoast-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
