@@ -137,7 +137,7 @@ def child(args: argparse.Namespace) -> None:
     """Run one operation `args.repeats` times in this fresh process; print JSON."""
     model = TinyLlama(args.vocab, args.hidden, args.layers, 12, 12, 2048, key=jax.random.key(0))
     ids = jnp.zeros((1, 8), jnp.int32)
-    specs = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(ids))
+    specs = rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(ids)).specs
     mesh = rc.make_mesh(4)
     model = rc.place(model, mesh, specs=specs)
     leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]

@@ -11,10 +11,10 @@ LLaMA (rank 8 on every projection) against Megatron-LM's layout with its LoRA, a
 today's families on the shared decoder (`--models family`: Llama 3, Qwen 2/3,
 Mistral, Mixtral against expert parallelism, Gemma 2/3, Phi-3). Layouts:
 
-- ours:        redcoast.sharding_rules with example_call (the dataflow rules)
+- ours:        redcoast.sharding_plan with example_call (the dataflow rules)
 - megatron:    the hand-written layout: Megatron-LM's (tests/tiny.py `megatron_specs`)
                for the decoders, the best of the architecture's hand layouts otherwise
-- decl-order:  redcoast.sharding_rules without example_call (alternate by declaration)
+- decl-order:  redcoast.sharding_plan without example_call (alternate by declaration)
 - naive:       every weight split on dim 0
 
 Targets: ours/megatron model-axis bytes <= 1.02, no all-gather of a split weight, and
@@ -310,9 +310,11 @@ def main() -> None:
     parser.add_argument("--out", default="bench-results/bench_comm.json")
     args = parser.parse_args()
     layouts: dict[str, Callable[[str, eqx.Module, int, object], object]] = {
-        "ours": lambda _, m, n, x: rc.sharding_rules(m, n, example_call=lambda mm: forward(mm, x)),
+        "ours": lambda _, m, n, x: (
+            rc.sharding_plan(m, n, example_call=lambda mm: forward(mm, x)).specs
+        ),
         "megatron": hand_layout,
-        "decl-order": lambda _, m, n, x: rc.sharding_rules(m, n),
+        "decl-order": lambda _, m, n, x: rc.sharding_plan(m, n).specs,
         "naive": lambda _, m, n, x: naive_specs(m, n),
     }
     rows = []

@@ -89,11 +89,11 @@ def time_hand(examples: list[np.ndarray], mesh: Mesh, batch: int, warmup: int, s
     n_data = mesh.shape["data"]
     size = batch * n_data
     model = new_model()
-    specs = rc.sharding_rules(
+    specs = rc.sharding_plan(
         model,
         mesh.shape["model"],
         example_call=lambda m: loss_fn(m, collate_fn(examples[:2]), None),
-    )
+    ).specs
     model = rc.place(model, mesh, specs=specs)
     optimizer = optax.adamw(1e-3)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))

@@ -26,7 +26,7 @@ def make() -> TinyGPT:
 
 
 def specs_for(model: TinyGPT, n: int) -> object:
-    return rc.sharding_rules(model, n, example_call=lambda m: jax.vmap(m)(IDS))
+    return rc.sharding_plan(model, n, example_call=lambda m: jax.vmap(m)(IDS)).specs
 
 
 def arrays(tree: object) -> list[np.ndarray]:

@@ -297,7 +297,7 @@ def test_a_model_placed_without_redcoast_gathers_nothing() -> None:
     mesh = rc.make_mesh(1)
     batch = jax.device_put({"ids": IDS}, NamedSharding(mesh, P("data")))
     model = make("gpt2", True)(jax.random.key(0))
-    specs = rc.sharding_rules(model, 1, example_call=type(model).trace_call, fsdp=8)
+    specs = rc.sharding_plan(model, 1, example_call=type(model).trace_call, fsdp=8).specs
     by_hand = eqx.combine(
         jax.device_put(
             eqx.filter(model, eqx.is_array),

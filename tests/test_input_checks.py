@@ -199,7 +199,7 @@ def test_checks_hold_under_grad() -> None:
 def test_checks_hold_on_a_sharded_model_and_batch() -> None:
     model = model_of("gpt2")
     mesh = rc.make_mesh(2)
-    specs = rc.sharding_rules(model, 2, example_call=lambda m: jax.vmap(m)(jnp.asarray(IDS)))
+    specs = rc.sharding_plan(model, 2, example_call=lambda m: jax.vmap(m)(jnp.asarray(IDS))).specs
     sharded = rc.place(model, mesh, specs=specs)
     place = NamedSharding(mesh, P("data"))
     want = forward(model, jnp.asarray(IDS))

@@ -511,7 +511,7 @@ def test_lora_layout_is_megatron_lms_with_megatron_style_lora(arch, n):
     # bench_comm's reference: A replicated and B column-split beside a column base,
     # A row-split and B replicated beside a row base, both whole beside a whole base.
     model = _lora_zoo(arch, scan_layers=True)
-    ours = rc.sharding_rules(model, n, example_call=_trace)
+    ours = rc.sharding_plan(model, n, example_call=_trace).specs
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
     assert jax.tree.leaves(ours, is_leaf=is_spec) == jax.tree.leaves(
         megatron_specs(model, n), is_leaf=is_spec

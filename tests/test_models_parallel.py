@@ -97,7 +97,7 @@ def test_sharding_rules_give_megatron_layout(arch: str, n: int, scan_layers: boo
 
 def test_kv_heads_that_do_not_divide_are_replicated_and_reported() -> None:
     model = build("llama")  # 4 query heads, 2 key/value heads
-    split = layout(model, rc.sharding_rules(model, 2, example_call=lambda m: jax.vmap(m)(IDS)))
+    split = layout(model, rc.sharding_plan(model, 2, example_call=lambda m: jax.vmap(m)(IDS)).specs)
     assert split["blocks.0.attn.k_proj.weight"] == ("model", None)
     plan = rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(IDS))
     four = layout(model, plan.specs)
@@ -111,10 +111,10 @@ def test_rules_traced_through_generate_give_the_same_layout() -> None:
     # In the decoding loop the head's argmax becomes the next token's embedding index;
     # that must not count as the head's output flowing into the first layer.
     model = build("gpt2")
-    by_forward = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(IDS))
-    by_generate = rc.sharding_rules(
+    by_forward = rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(IDS)).specs
+    by_generate = rc.sharding_plan(
         model, 4, example_call=lambda m: rc.models.generate(m, IDS[:, :8], max_new_tokens=4)
-    )
+    ).specs
     assert layout(model, by_generate) == layout(model, by_forward)
 
 
@@ -165,7 +165,7 @@ def test_sharded_train_step_equals_unsharded(arch: str) -> None:
     batch = {"ids": IDS}
     key = jax.random.key(0)
     mesh = rc.make_mesh(4)  # 2 x 4
-    specs = rc.sharding_rules(model, 4, example_call=lambda m: loss_fn(m, batch, key))
+    specs = rc.sharding_plan(model, 4, example_call=lambda m: loss_fn(m, batch, key)).specs
     sharded = rc.place(model, mesh, specs=specs)
     optimizer = optax.sgd(0.5)
     # Jitted here without donation: the unsharded model is shared with other tests, and
@@ -192,7 +192,7 @@ def test_from_hf_onto_a_mesh_and_generate_under_predict(tmp_path: Path) -> None:
     model = build("llama", scan_layers=True)
     model.to_hf(tmp_path)
     mesh = rc.make_mesh(4)
-    specs = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(IDS))
+    specs = rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(IDS)).specs
     sharded = rc.models.Llama.from_hf(tmp_path, mesh=mesh, scan_layers=True)
     given = rc.models.Llama.from_hf(tmp_path, mesh=mesh, specs=specs, scan_layers=True)
     for a, b, w, spec in zip(
@@ -206,7 +206,7 @@ def test_from_hf_onto_a_mesh_and_generate_under_predict(tmp_path: Path) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
 
     # fsdp=True reads each weight straight into its shard of the FSDP layout.
-    fsdp_specs = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(IDS), fsdp=2)
+    fsdp_specs = rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(IDS), fsdp=2).specs
     split = rc.models.Llama.from_hf(tmp_path, mesh=mesh, scan_layers=True, fsdp=True)
     for a, w, spec in zip(
         jax.tree_util.tree_leaves(eqx.filter(split, eqx.is_array)),
@@ -246,7 +246,7 @@ def test_loading_with_specs_for_another_model_is_an_error(tmp_path: Path) -> Non
     model = build("gpt2")
     model.to_hf(tmp_path)
     mesh = rc.make_mesh(2)
-    wrong = rc.sharding_rules(build("gpt2", scan_layers=True), 2)
+    wrong = rc.sharding_plan(build("gpt2", scan_layers=True), 2).specs
     with pytest.raises(ValueError, match=r"specs has no PartitionSpec for \['blocks.0.attn_norm"):
         rc.models.GPT2.from_hf(tmp_path, mesh=mesh, specs=wrong)
 

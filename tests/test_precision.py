@@ -204,11 +204,11 @@ def test_full_remat_at_least_halves_the_compiled_steps_temporaries():
 def test_remat_model_is_split_like_the_plain_one():
     ids = jnp.asarray(_counting(2))
     specs = {
-        policy: rc.sharding_rules(
+        policy: rc.sharding_plan(
             GPT2(TINY, scan_layers=True, remat=policy, key=jax.random.key(0)),
             n_model_shards=2,
             example_call=lambda m: jax.vmap(m)(ids),
-        )
+        ).specs
         for policy in ("none", "full")
     }
     assert jax.tree.leaves(specs["full"]) == jax.tree.leaves(specs["none"])

@@ -362,7 +362,7 @@ def test_sharded_train_step_equals_unsharded(arch: str) -> None:
     model = build(arch)
     key = jax.random.key(0)
     mesh = rc.make_mesh(4)  # 2 x 4
-    specs = rc.sharding_rules(model, 4, example_call=lambda m: loss_fn(m, BATCH, key))
+    specs = rc.sharding_plan(model, 4, example_call=lambda m: loss_fn(m, BATCH, key)).specs
     sharded = rc.place(model, mesh, specs=specs)
     optimizer = optax.sgd(0.5)
     step = eqx.filter_jit(rc.train_step(loss_fn, optimizer, jit=False))
@@ -388,7 +388,7 @@ def test_from_hf_onto_a_mesh_and_beam_search_under_predict(tmp_path: Path) -> No
     key = jax.random.key(0)
     # Without specs, from_hf derives them by tracing the model's own example_call.
     sharded = rc.models.T5.from_hf(tmp_path, mesh=mesh, scan_layers=True)
-    specs = rc.sharding_rules(model, 4, example_call=lambda m: loss_fn(m, BATCH, key))
+    specs = rc.sharding_plan(model, 4, example_call=lambda m: loss_fn(m, BATCH, key)).specs
     for a, w, spec in zip(
         jax.tree_util.tree_leaves(eqx.filter(sharded, eqx.is_array)),
         jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)),

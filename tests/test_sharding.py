@@ -102,13 +102,15 @@ def test_mesh_on_chosen_devices() -> None:
 def test_dataflow_rules_give_megatron_layout(name: str, n: int) -> None:
     model = MODELS[name]()
     x = inputs(name)
-    specs = rc.sharding_rules(model, n, example_call=lambda m: jax.vmap(m)(x))
+    specs = rc.sharding_plan(model, n, example_call=lambda m: jax.vmap(m)(x)).specs
     assert_same_layout(model, specs, megatron_specs(model, n))
 
 
 def test_swiglu_declared_down_gate_up_follows_the_dataflow() -> None:
     model = MODELS["llama"]()
-    traced = paths_and_specs(rc.sharding_rules(model, 2, example_call=lambda m: jax.vmap(m)(IDS)))
+    traced = paths_and_specs(
+        rc.sharding_plan(model, 2, example_call=lambda m: jax.vmap(m)(IDS)).specs
+    )
     assert traced["blocks.0.mlp.gate_proj.weight"] == P("model", None)
     assert traced["blocks.0.mlp.up_proj.weight"] == P("model", None)
     assert traced["blocks.0.mlp.down_proj.weight"] == P(None, "model")
@@ -143,10 +145,12 @@ class Wide(eqx.Module):
 def test_heads_are_read_from_the_reshape_and_never_split() -> None:
     model = Wide(jax.random.key(0))
     x = jnp.ones((2, 5, 32))
-    specs = paths_and_specs(rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(x)))
+    specs = paths_and_specs(rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(x)).specs)
     assert specs["attn.q_proj.weight"] == P()
     assert specs["attn.o_proj.weight"] == P(None, "model")  # whole input: a local slice
-    specs2 = paths_and_specs(rc.sharding_rules(model, 2, example_call=lambda m: jax.vmap(m)(x)))
+    specs2 = paths_and_specs(
+        rc.sharding_plan(model, 2, example_call=lambda m: jax.vmap(m)(x)).specs
+    )
     assert specs2["attn.q_proj.weight"] == P("model", None)
 
 
@@ -174,13 +178,13 @@ class StackedMLP(eqx.Module):
 def test_stacked_layers_keep_the_rule_on_their_last_two_axes() -> None:
     model = StackedMLP(3, jax.random.key(0))
     x = jnp.ones((4, 16))
-    specs = paths_and_specs(rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(x)))
+    specs = paths_and_specs(rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(x)).specs)
     assert normalise(specs["up.weight"], 3) == (None, "model", None)
     assert normalise(specs["up.bias"], 2) == (None, "model")
     assert normalise(specs["down.weight"], 3) == (None, None, "model")
     assert normalise(specs["down.bias"], 2) == (None, None)
     # Without a trace, declaration order on the last two axes gives the same here.
-    by_order = paths_and_specs(rc.sharding_rules(model, 4))
+    by_order = paths_and_specs(rc.sharding_plan(model, 4).specs)
     assert normalise(by_order["up.weight"], 3) == (None, "model", None)
 
 
@@ -205,7 +209,7 @@ def test_sharded_loss_and_grads_equal_unsharded(name: str, n: int) -> None:
     x = inputs(name)
     want_loss, want_grads = value_and_grad(model, x)
     mesh = rc.make_mesh(n)
-    specs = rc.sharding_rules(model, n, example_call=lambda m: jax.vmap(m)(x))
+    specs = rc.sharding_plan(model, n, example_call=lambda m: jax.vmap(m)(x)).specs
     sharded = rc.place(model, mesh, specs=specs)
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     got_loss, got_grads = value_and_grad(sharded, xs)
@@ -237,7 +241,7 @@ def test_compiled_traffic_matches_megatron_with_no_weight_all_gathers(name: str)
     model = MODELS[name]()
     x = inputs(name)
     ours = model_axis_traffic(
-        model, rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(x)), 4, x
+        model, rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(x)).specs, 4, x
     )
     ref = model_axis_traffic(model, megatron_specs(model, 4), 4, x)
     assert ours["bytes"] <= 1.02 * ref["bytes"], (ours, ref)
@@ -248,7 +252,7 @@ def test_compiled_traffic_matches_megatron_with_no_weight_all_gathers(name: str)
 def test_shard_places_every_leaf_with_its_spec() -> None:
     model = MODELS["gpt"]()
     mesh = rc.make_mesh(4)
-    specs = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(IDS))
+    specs = rc.sharding_plan(model, 4, example_call=lambda m: jax.vmap(m)(IDS)).specs
     sharded = rc.place(model, mesh, specs=specs)
     for leaf, spec in zip(leaves(eqx.filter(sharded, eqx.is_array)), leaves(specs), strict=True):
         assert isinstance(leaf, jax.Array)
@@ -269,11 +273,19 @@ def test_report_names_every_leaf_and_the_bytes() -> None:
     assert "bytes per device" in text and "replicated" in text
     assert plan.bytes_per_device < plan.total_bytes / 4 * 1.2
     assert 0 < plan.replicated_bytes < 0.1 * plan.total_bytes
-    given = rc.sharding_report(model, plan.specs, n_model_shards=4)
-    assert "given" in given and str(plan.bytes_per_device // 1024) in given.replace(",", "")
-    assert rc.sharding_report(model, plan) == text
+    given = str(rc.ShardingPlan.given(model, plan.specs, n_model_shards=4))
+    assert "given" in given
+    assert rc.ShardingPlan.given(model, plan.specs, n_model_shards=4).bytes_per_device == (
+        plan.bytes_per_device
+    )
     sharded = rc.place(model, rc.make_mesh(4), specs=plan)
-    assert rc.sharding_report(sharded, plan.specs) == given
+    assert str(rc.ShardingPlan.given(sharded, plan.specs)) == given
+    # The old names, for one release: each says what to use instead.
+    with pytest.warns(DeprecationWarning, match=r"sharding_plan\(\.\.\.\)\.specs"):
+        old = rc.sharding_rules(model, 4, example_call=lambda m: jax.vmap(m)(IDS))
+    assert paths_and_specs(old) == paths_and_specs(plan.specs)
+    with pytest.warns(DeprecationWarning, match="ShardingPlan.given"):
+        assert rc.sharding_report(model, plan) == text
 
 
 def test_overrides_win_and_typos_are_caught() -> None:
@@ -288,10 +300,10 @@ def test_overrides_win_and_typos_are_caught() -> None:
     assert specs["blocks.1.mlp.fc_in.weight"] == P(None, "model")
     assert "override" in str(plan)
     with pytest.raises(ValueError, match="match no array"):
-        rc.sharding_rules(model, 4, overrides={"blocks.*.mlp.fc_inn.weight": P()})
+        rc.sharding_plan(model, 4, overrides={"blocks.*.mlp.fc_inn.weight": P()})
     odd = DeepMLP((64, 10, 64), key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"layers.0.weight: dimension 10 .* into 4 shards"):
-        rc.sharding_rules(odd, 4, overrides={"layers.0.weight": P("model", None)})
+        rc.sharding_plan(odd, 4, overrides={"layers.0.weight": P("model", None)})
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -299,13 +311,13 @@ def test_overrides_win_and_typos_are_caught() -> None:
 
 def test_a_model_with_no_arrays_is_an_error() -> None:
     with pytest.raises(ValueError, match="no arrays"):
-        rc.sharding_rules(eqx.nn.Lambda(jnp.tanh), 2)
+        rc.sharding_plan(eqx.nn.Lambda(jnp.tanh), 2)
 
 
 def test_a_spec_tree_that_does_not_match_is_an_error() -> None:
     gpt, mlp = MODELS["gpt"](), MODELS["mlp"]()
     with pytest.raises(ValueError, match="spec tree does not match"):
-        rc.place(gpt, rc.make_mesh(2), specs=rc.sharding_rules(mlp, 2))
+        rc.place(gpt, rc.make_mesh(2), specs=rc.sharding_plan(mlp, 2).specs)
 
 
 def test_bad_specs_are_errors_naming_the_leaf() -> None:
@@ -351,7 +363,7 @@ def test_uneven_layers_fall_back_to_the_other_dimension() -> None:
 def test_example_call_that_raises_is_a_clear_error() -> None:
     model = MODELS["mlp"]()
     with pytest.raises(ValueError, match="example_call raised TypeError"):
-        rc.sharding_rules(model, 2, example_call=lambda m: m(jnp.ones((3,))))
+        rc.sharding_plan(model, 2, example_call=lambda m: m(jnp.ones((3,))))
 
 
 def test_shapes_are_checked_at_the_model_boundary() -> None:

@@ -98,9 +98,9 @@ def main() -> None:
     if args.load is not None:
         like = TinyGPT(dropout=0.1, key=jax.random.key(1))  # other values, same structure
         ids = np.zeros((2, SEQ - 1), np.int32)
-        specs = rc.sharding_rules(
+        specs = rc.sharding_plan(
             like, N_MODEL_SHARDS, example_call=lambda m: jax.vmap(eqx.nn.inference_mode(m))(ids)
-        )
+        ).specs
         ckpt = rc.load_checkpoint(
             args.load / "ckpt",
             like=like,

@@ -151,6 +151,43 @@ def _jsonable(value: Any, what: str) -> Any:
     )
 
 
+def _check_step_and_extra(step: Any, extra: dict[str, Any]) -> None:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer):
+        raise TypeError(
+            f"save_checkpoint: step must be an int, the optimizer steps taken; got {step!r} "
+            f"({type(step).__name__}), which state.json cannot hold as it is. Pass a whole "
+            "number (round it yourself if that is what you mean)."
+        )
+    if step < 0:
+        raise ValueError(f"save_checkpoint: step must be >= 0, got {step}.")
+    reserved = RESERVED & set(extra)
+    if reserved:
+        raise TypeError(f"save_checkpoint: {sorted(reserved)} are reserved names in state.json.")
+
+
+def _state(
+    step: int,
+    files: dict[str, Any],
+    sums: dict[str, Any],
+    model_leaves: list[tuple[str, Any]],
+    opt_leaves: list[tuple[str, Any]],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """What `state.json` holds: the format, the step, the files and their checksums,
+    the model's specs and key types, and the caller's extra values."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "files": files,
+        "specs": {k: _spec_of(v) for k, v in model_leaves},
+        "keys": {k: str(jax.random.key_impl(v)) for k, v in model_leaves + opt_leaves if is_key(v)},
+        "checksum": CHECKSUM,
+        "checksums": sums,
+        **extra,
+    }
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -192,17 +229,7 @@ def save_checkpoint(
         ...                 step=100, metrics={"loss": 1.3})
     """
     final = Path(path)
-    if isinstance(step, bool) or not isinstance(step, int | np.integer):
-        raise TypeError(
-            f"save_checkpoint: step must be an int, the optimizer steps taken; got {step!r} "
-            f"({type(step).__name__}), which state.json cannot hold as it is. Pass a whole "
-            "number (round it yourself if that is what you mean)."
-        )
-    if step < 0:
-        raise ValueError(f"save_checkpoint: step must be >= 0, got {step}.")
-    reserved = RESERVED & set(extra)
-    if reserved:
-        raise TypeError(f"save_checkpoint: {sorted(reserved)} are reserved names in state.json.")
+    _check_step_and_extra(step, extra)
     model_leaves = array_leaves(model)
     if not model_leaves:
         raise CheckpointError("save_checkpoint: the model has no arrays to save.")
@@ -225,21 +252,7 @@ def save_checkpoint(
                 tmp, "optimizer", opt_leaves, max_shard_bytes, write
             )
         if write:
-            state = {
-                "format": FORMAT,
-                "version": VERSION,
-                "step": int(step),
-                "files": files,
-                "specs": {k: _spec_of(v) for k, v in model_leaves},
-                "keys": {
-                    k: str(jax.random.key_impl(v))
-                    for k, v in model_leaves + opt_leaves
-                    if is_key(v)
-                },
-                "checksum": CHECKSUM,
-                "checksums": sums,
-                **stored_extra,
-            }
+            state = _state(int(step), files, sums, model_leaves, opt_leaves, stored_extra)
             write_text(tmp / STATE, json.dumps(state, indent=2))
             put_in_place(tmp, final)
     except BaseException:

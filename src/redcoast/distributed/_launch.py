@@ -194,6 +194,8 @@ def launch(
         raise ValueError("launch needs nprocs >= 1 and devices_per_proc >= 1.")
     if not command:
         raise ValueError("launch needs a command to run, e.g. ['python', 'train.py'].")
+    # One function: the processes, the output lock and the exit queue are shared by
+    # the reader threads, the signal handlers and the wait below, as closures.
     port = free_port() if port is None else port
     procs: list[subprocess.Popen[bytes]] = []
     lock = threading.Lock()

@@ -103,6 +103,8 @@ def _watch_peers(rank: int, n: int, coordinator: str | None, timeout: float) -> 
     `timeout` and `timeout + 2 * interval` after its last beat, and every survivor
     has stopped `2 * interval` later: within 1.4 x `timeout` in all.
     """
+    # One function: the heartbeat thread and the atexit hook share the client, the
+    # lock and the stopping flag of this call, which closures keep in one place.
     # jax.distributed keeps its client private; its key-value store is the one
     # channel every process already shares with the coordinator.
     client = coordination_client()

@@ -39,7 +39,7 @@ from .._tree_paths import array_leaves, leaves_with_paths, path_str
 from ..distributed._host import to_host
 from ..parallel._placement import check_specs, host_to_mesh, specs_by_path
 from ..parallel.mesh import DATA, MODEL
-from ..parallel.sharding import sharding_rules
+from ..parallel.sharding import sharding_plan
 from ._hf_config import HFConfig as HFConfig
 from ._hf_config import read_config as read_config
 from ._hf_folder import INDEX as INDEX
@@ -103,12 +103,12 @@ def _shardings(
 ) -> dict[str, NamedSharding]:
     """Our leaf path -> where it goes; specs are derived by the rules when not given."""
     if specs is None:
-        specs = sharding_rules(
+        specs = sharding_plan(
             skeleton,
             int(mesh.shape[MODEL]),
             example_call=cls.trace_call,
             fsdp=int(mesh.shape[DATA]) if fsdp else 1,
-        )
+        ).specs
     shapes = {
         path: tuple(s.shape)
         for path, s in leaves_with_paths(skeleton)
@@ -119,7 +119,7 @@ def _shardings(
     if missing:
         raise ValueError(
             f"specs has no PartitionSpec for {missing[:5]}; pass the specs of this very model "
-            "(e.g. from rc.sharding_rules on a model built from the same config and "
+            "(e.g. from rc.sharding_plan on a model built from the same config and "
             "scan_layers), or specs=None to derive them with the rules."
         )
     check_specs(((path, shape, given[path]) for path, shape in shapes.items()), mesh)

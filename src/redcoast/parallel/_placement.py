@@ -18,8 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from .._tree_paths import leaves_with_paths, path_str
-from ._sharding_plan import spec_str, spec_tree
+from .._tree_paths import leaves_with_paths
+from ._sharding_plan import is_spec, spec_leaves, spec_str, spec_tree
 
 __all__ = [
     "abstract_arrays",
@@ -56,11 +56,6 @@ def abstract_arrays(tree: PyTree) -> PyTree:
         ),
         tree,
     )
-
-
-def is_spec(x: Any) -> bool:
-    """Whether `x` is a `PartitionSpec` (the leaves of a spec tree)."""
-    return isinstance(x, P)
 
 
 def check_spec(path: str, shape: tuple[int, ...], spec: Any, sizes: Mapping[str, int]) -> None:
@@ -100,25 +95,6 @@ def check_specs(entries: Iterable[tuple[str, tuple[int, ...], Any]], mesh: Mesh)
 def specs_by_path(specs: PyTree) -> dict[str, Any]:
     """Dotted path -> spec for a spec tree (or `ShardingPlan`)."""
     return dict(leaves_with_paths(spec_tree(specs), is_spec))
-
-
-def spec_leaves(model: PyTree, specs: PyTree) -> list[tuple[str, Any, P]]:
-    """`(path, array, spec)` for every array of `model`; raises unless the trees match."""
-    specs = spec_tree(specs)
-    arrays = eqx.filter(model, eqx.is_array)
-    flat_a, tree_a = jax.tree_util.tree_flatten_with_path(arrays)
-    flat_s, tree_s = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
-    if tree_a != tree_s:
-        have = {path_str(p) for p, _ in flat_a}
-        got = {path_str(p) for p, _ in flat_s}
-        missing, extra = sorted(have - got), sorted(got - have)
-        raise ValueError(
-            "the spec tree does not match the model's arrays: "
-            f"missing specs for {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"specs for non-arrays {extra[:5]}{'...' if len(extra) > 5 else ''}. "
-            "Build specs with redcoast.sharding_rules(model, ...) for this very model."
-        )
-    return [(path_str(p), a, s) for (p, a), (_, s) in zip(flat_a, flat_s, strict=True)]
 
 
 def sharding_tree(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
@@ -175,7 +151,7 @@ def shard(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
     Args:
         tree: a model (or any pytree) whose arrays are placed; other leaves are kept.
         mesh: from `make_mesh`.
-        specs: from `sharding_rules` (or a `ShardingPlan`), shaped like
+        specs: from `sharding_plan` (a `ShardingPlan` or its `.specs`), shaped like
             `eqx.filter(tree, eqx.is_array)`.
 
     Returns:
@@ -184,7 +160,7 @@ def shard(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
         its forward pass gathers them (`redcoast.fsdp`).
 
     Example:
-        >>> model = shard(model, mesh, sharding_rules(model, mesh.shape["model"]))
+        >>> model = shard(model, mesh, sharding_plan(model, mesh.shape["model"]))
     """
     entries = spec_leaves(tree, specs)
     check_specs(((path, tuple(x.shape), spec) for path, x, spec in entries), mesh)

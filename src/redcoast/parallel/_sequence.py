@@ -45,6 +45,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 from .._tree_paths import path_str
 from ..nn import AbstractProjection, dense
 from . import fsdp
+from ._sharding_plan import axis_names
 from .mesh import MODEL, mesh_shape
 
 __all__ = ["KEEP_GATHERED", "SequenceParallel", "SplitProjection", "WholeEmbedding"]
@@ -67,16 +68,12 @@ def _linear(layer: Projection) -> eqx.nn.Linear:
     return layer.base if isinstance(layer, AbstractProjection) else layer
 
 
-def _names(entry: Any) -> tuple[Any, ...]:
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
 def _split_on(weight: Any, axis: int) -> bool:
     sharding = getattr(weight, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return False
     spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
-    return MODEL in _names(spec[axis])
+    return MODEL in axis_names(spec[axis])
 
 
 def _features(x: Array, mesh: Mesh, entry: str | None) -> Array:

@@ -9,14 +9,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
+import equinox as eqx
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._tree_paths import path_str
+from .._units import fmt_bytes
 from .mesh import DATA, MODEL
 
-__all__ = ["LeafPlan", "ShardingPlan", "fmt_bytes", "spec_str", "spec_tree"]
+__all__ = [
+    "LeafPlan",
+    "ShardingPlan",
+    "axis_names",
+    "is_spec",
+    "spec_leaves",
+    "spec_str",
+    "spec_tree",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +63,42 @@ class ShardingPlan:
     method: str
     notes: tuple[str, ...] = ()
     fsdp: int = 1
+
+    @classmethod
+    def given(
+        cls, model: PyTree, specs: PyTree, *, n_model_shards: int | None = None
+    ) -> ShardingPlan:
+        """The plan of specs made elsewhere (by hand, or read from another run): `str()` of
+        it reports them as `str(rc.sharding_plan(...))` reports the rules'.
+
+        Args:
+            model: the model the specs belong to (arrays, or `jax.ShapeDtypeStruct`s).
+            specs: a spec tree shaped like `eqx.filter(model, eqx.is_array)`.
+            n_model_shards: the size of the model axis, for bytes per device; read from
+                the model's shardings when omitted (1 when it has none).
+
+        Example:
+            >>> print(rc.ShardingPlan.given(model, megatron_specs))
+        """
+        entries = spec_leaves(model, specs)
+        if n_model_shards is None:
+            n_model_shards = 1
+            for _, leaf, _ in entries:
+                sharding = getattr(leaf, "sharding", None)
+                if isinstance(sharding, NamedSharding) and MODEL in sharding.mesh.shape:
+                    n_model_shards = int(sharding.mesh.shape[MODEL])
+                    break
+        if (
+            isinstance(n_model_shards, bool)
+            or not isinstance(n_model_shards, int)
+            or (n_model_shards < 1)
+        ):
+            raise ValueError(f"n_model_shards must be an int >= 1, got {n_model_shards!r}.")
+        plans = tuple(
+            LeafPlan(path, tuple(int(d) for d in leaf.shape), str(leaf.dtype), spec, "given")
+            for path, leaf, spec in entries
+        )
+        return cls(spec_tree(specs), plans, int(n_model_shards), "given specs")
 
     def _per_device(self, leaf: LeafPlan) -> float:
         ways = 1
@@ -108,12 +158,33 @@ def spec_str(spec: P) -> str:
     return "P(" + ", ".join(repr(e) for e in spec) + ")"
 
 
-def fmt_bytes(n: int | float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+def is_spec(x: Any) -> bool:
+    """Whether `x` is a `PartitionSpec` (the leaves of a spec tree)."""
+    return isinstance(x, P)
+
+
+def spec_leaves(model: PyTree, specs: PyTree) -> list[tuple[str, Any, P]]:
+    """`(path, array, spec)` for every array of `model`; raises unless the trees match."""
+    specs = spec_tree(specs)
+    arrays = eqx.filter(model, eqx.is_array)
+    flat_a, tree_a = jax.tree_util.tree_flatten_with_path(arrays)
+    flat_s, tree_s = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    if tree_a != tree_s:
+        have = {path_str(p) for p, _ in flat_a}
+        got = {path_str(p) for p, _ in flat_s}
+        missing, extra = sorted(have - got), sorted(got - have)
+        raise ValueError(
+            "the spec tree does not match the model's arrays: "
+            f"missing specs for {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"specs for non-arrays {extra[:5]}{'...' if len(extra) > 5 else ''}. "
+            "Build specs with redcoast.sharding_plan(model, ...).specs for this very model."
+        )
+    return [(path_str(p), a, s) for (p, a), (_, s) in zip(flat_a, flat_s, strict=True)]
+
+
+def axis_names(entry: Any) -> tuple[Any, ...]:
+    """The mesh axes one entry of a `PartitionSpec` names: `"data"`, `("data", "model")`."""
+    return entry if isinstance(entry, tuple) else (entry,)
 
 
 def spec_tree(specs: PyTree) -> PyTree:

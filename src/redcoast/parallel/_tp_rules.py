@@ -19,10 +19,10 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._units import fmt_bytes
 from ._dataflow import trace_dataflow
 from ._dataflow_state import NO_USE, Dataflow, Use
 from ._model_structure import ModelInfo
-from ._sharding_plan import fmt_bytes
 from .mesh import MODEL
 
 __all__ = [

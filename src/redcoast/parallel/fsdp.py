@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from . import _active, _jaxpr
+from ._sharding_plan import axis_names
 from .mesh import DATA
 
 GATHERED = "fsdp_gathered"
@@ -62,10 +63,6 @@ def _gather_one(x: jax.Array, layout: Layout) -> jax.Array:
     return checkpoint_name(jax.lax.with_sharding_constraint(stored, layout.use), GATHERED)
 
 
-def _names(entry: Any) -> tuple[Any, ...]:
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
 def use_spec(spec: P) -> P:
     """How a weight stored with `spec` is used: whole over the data axis.
 
@@ -76,7 +73,7 @@ def use_spec(spec: P) -> P:
     """
     entries = []
     for entry in spec:
-        names = _names(entry)
+        names = axis_names(entry)
         kept = names[: names.index(DATA)] if DATA in names else names
         kept = tuple(n for n in kept if n is not None)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
@@ -85,7 +82,7 @@ def use_spec(spec: P) -> P:
 
 def data_split(sharding: Any) -> bool:
     """Whether a `NamedSharding` splits over the data axis."""
-    return isinstance(sharding, NamedSharding) and any(DATA in _names(e) for e in sharding.spec)
+    return isinstance(sharding, NamedSharding) and any(DATA in axis_names(e) for e in sharding.spec)
 
 
 def _path(path: tuple[Any, ...]) -> str:

@@ -13,7 +13,8 @@ DATA: str = "data"
 MODEL: str = "model"
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The sizes a model axis over `n` devices may have."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -60,7 +61,7 @@ def make_mesh(n_model_shards: int = 1, *, devices: Sequence[Any] | None = None) 
     if n_model_shards < 1 or n % n_model_shards:
         raise ValueError(
             f"n_model_shards={n_model_shards} does not divide the {n} available devices; "
-            f"valid values are {_divisors(n)}. To simulate more devices on a CPU, call "
+            f"valid values are {divisors(n)}. To simulate more devices on a CPU, call "
             "rc.simulate_devices(8) before anything touches a device."
         )
     # Sort by (process, id) so that consecutive devices -- one row of the model axis --

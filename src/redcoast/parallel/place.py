@@ -21,7 +21,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ._placement import shard, sharding_tree
 from ._sharding_plan import spec_tree
 from .mesh import DATA, MODEL, mesh_shape
-from .sharding import sharding_rules
+from .sharding import sharding_plan
 
 
 def _array_leaves(tree: PyTree) -> list[Any]:
@@ -72,7 +72,7 @@ def place(
 
     A model already on `mesh` is returned as it is. A model on another redcoast mesh
     keeps its specs. Otherwise the specs are `specs` when given, else
-    `sharding_rules(model, n_model_shards, example_call=example_call)` on a mesh
+    `sharding_plan(model, n_model_shards, example_call=example_call).specs` on a mesh
     with a model axis > 1 or with `fsdp`, else every array is replicated.
 
     Args:
@@ -100,9 +100,9 @@ def place(
         if all(_redcoast_sharding(x) is not None for x in leaves):
             specs = jax.tree.map(lambda x: x.sharding.spec, eqx.filter(model, eqx.is_array))
         elif n_model > 1 or fsdp:
-            specs = sharding_rules(
+            specs = sharding_plan(
                 model, n_model, example_call=example_call, fsdp=n_data if fsdp else 1
-            )
+            ).specs
         else:
             specs = jax.tree.map(lambda _: P(), eqx.filter(model, eqx.is_array))
     return shard(model, mesh, specs)
@@ -147,9 +147,9 @@ def sharded_init(
         if example_call is None:
             # Models that know how to be called (the zoo) say so with `trace_call`.
             example_call = getattr(type(abstract), "trace_call", None)
-        specs = sharding_rules(
+        specs = sharding_plan(
             abstract, n_model, example_call=example_call, fsdp=n_data if fsdp else 1
-        )
+        ).specs
     shardings = sharding_tree(abstract, mesh, spec_tree(specs))
 
     @functools.partial(jax.jit, out_shardings=shardings)

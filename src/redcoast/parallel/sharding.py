@@ -35,20 +35,20 @@ placing arrays by their specs in `_placement.py` (`rc.place` is the public way i
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._tree_paths import array_leaves
 from ._model_structure import ModelInfo, model_info
 from ._placement import abstract_arrays as abstract_arrays
-from ._placement import check_spec, spec_leaves
+from ._placement import check_spec
 from ._placement import optimizer_specs as optimizer_specs
 from ._placement import sharding_tree as sharding_tree
 from ._sharding_plan import LeafPlan as LeafPlan
@@ -76,6 +76,35 @@ def _check_n(n: int, name: str = "n_model_shards") -> None:
         raise TypeError(f"{name} must be an int, got {type(n).__name__}.")
     if n < 1:
         raise ValueError(f"{name} must be >= 1, got {n}.")
+
+
+def _decisions(
+    example_call: Callable[[PyTree], Any] | None,
+    model: PyTree,
+    info: Any,
+    paths: list[str],
+    shapes: list[tuple[int, ...]],
+    n: int,
+    fixed: dict[int, tuple[str, P]],
+) -> tuple[Any, Any, dict[int, Decision], dict[int, set[int]], str, list[str]]:
+    """How each Linear and table is split: from the traced dataflow with `example_call`,
+    else in declaration order; with the stacked axes, the method and its notes."""
+    if example_call is None:
+        matmuls, emb = plan_declaration(info, paths, shapes, n)
+        method = (
+            "no example_call: Linear layers alternate in declaration order "
+            "(pass example_call to follow the dataflow)"
+        )
+        return matmuls, emb, {}, {}, method, [method]
+    matmuls, emb, tied, flow_notes, flow = plan_dataflow(
+        example_call, model, info, paths, shapes, n, fixed
+    )
+    notes = list(flow_notes)
+    unseen = [p for p in info.linear_weight if p in paths and paths.index(p) not in matmuls]
+    unseen = [p for p in unseen if paths.index(p) not in fixed]
+    if unseen:
+        notes.append(f"{len(unseen)} Linear weight(s) not reached by example_call: replicated")
+    return matmuls, emb, tied, flow.stacked, "rules traced from example_call (dataflow)", notes
 
 
 def sharding_plan(
@@ -131,28 +160,9 @@ def sharding_plan(
     shapes = [tuple(int(d) for d in leaf.shape) for _, leaf in leaves]
     info = model_info(model)
     fixed = _match_overrides(overrides or {}, paths, shapes, n)
-    notes: list[str] = []
-    tied: dict[int, Decision] = {}
-    stacked: dict[int, set[int]] = {}
-    if example_call is not None:
-        matmuls, emb, tied, flow_notes, flow = plan_dataflow(
-            example_call, model, info, paths, shapes, n, fixed
-        )
-        stacked = flow.stacked
-        notes.extend(flow_notes)
-        method = "rules traced from example_call (dataflow)"
-        unseen = [p for p in info.linear_weight if p in paths and paths.index(p) not in matmuls]
-        unseen = [p for p in unseen if paths.index(p) not in fixed]
-        if unseen:
-            notes.append(f"{len(unseen)} Linear weight(s) not reached by example_call: replicated")
-    else:
-        matmuls, emb = plan_declaration(info, paths, shapes, n)
-        method = (
-            "no example_call: Linear layers alternate in declaration order "
-            "(pass example_call to follow the dataflow)"
-        )
-        notes.append(method)
-
+    matmuls, emb, tied, stacked, method, notes = _decisions(
+        example_call, model, info, paths, shapes, n, fixed
+    )
     plans: list[LeafPlan] = []
     specs: list[P] = []
     for i, (path, leaf) in enumerate(leaves):
@@ -273,46 +283,27 @@ def sharding_rules(
     overrides: Mapping[str, P] | None = None,
     fsdp: int = 1,
 ) -> PyTree:
-    """The `PartitionSpec` tree that `sharding_plan` finds (see there for the arguments).
-
-    Returns:
-        A pytree shaped like `eqx.filter(model, eqx.is_array)` with a `PartitionSpec`
-        on every array leaf, ready for `place(model, mesh, specs=specs)`.
-
-    Example:
-        >>> specs = sharding_rules(model, 2, example_call=lambda m: jax.vmap(m)(x))
-        >>> model = place(model, make_mesh(2), specs=specs)
-    """
+    """Deprecated: `sharding_plan(...).specs`, which this returns (see there)."""
+    warnings.warn(
+        "rc.sharding_rules(...) is rc.sharding_plan(...).specs; the old name goes in the "
+        "next release.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return sharding_plan(
         model, n_model_shards, example_call=example_call, overrides=overrides, fsdp=fsdp
     ).specs
 
 
 def sharding_report(model: PyTree, specs: PyTree, *, n_model_shards: int | None = None) -> str:
-    """A table of every array's path, shape and spec, with bytes per device.
-
-    Args:
-        model: the model the specs belong to.
-        specs: a `ShardingPlan` (whose reasons are shown) or a spec tree.
-        n_model_shards: the size of the model axis, for bytes per device; read from
-            the model's shardings when omitted.
-
-    Returns:
-        The report as text.
-    """
+    """Deprecated: `str(plan)` for a `ShardingPlan`, `str(ShardingPlan.given(model, specs))`
+    for a spec tree, which this returns."""
+    warnings.warn(
+        "rc.sharding_report is str(plan), or str(rc.ShardingPlan.given(model, specs)) for "
+        "specs made elsewhere; the old name goes in the next release.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if isinstance(specs, ShardingPlan):
         return str(specs)
-    entries = spec_leaves(model, specs)
-    if n_model_shards is None:
-        n_model_shards = 1
-        for _, leaf, _ in entries:
-            sharding = getattr(leaf, "sharding", None)
-            if isinstance(sharding, NamedSharding) and MODEL in sharding.mesh.shape:
-                n_model_shards = int(sharding.mesh.shape[MODEL])
-                break
-    _check_n(n_model_shards)
-    plans = tuple(
-        LeafPlan(path, tuple(int(d) for d in leaf.shape), str(leaf.dtype), spec, "given")
-        for path, leaf, spec in entries
-    )
-    return str(ShardingPlan(specs, plans, int(n_model_shards), "given specs"))
+    return str(ShardingPlan.given(model, specs, n_model_shards=n_model_shards))

@@ -3,46 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
-__all__ = ["PRECISIONS", "REMATS", "Layout", "LoRA", "MemoryPlan", "fmt_bytes", "parse_bytes"]
+from .._units import fmt_bytes
+
+__all__ = ["PRECISIONS", "REMATS", "Layout", "LoRA", "MemoryPlan"]
 
 PRECISIONS = ("fp32", "bf16", "pure-bf16")
 REMATS = ("none", "attention", "dots", "full")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """`"32GB"` -> 32e9, `"40GiB"` -> 40 * 2**30, `"512B"` -> 512; ints are bytes already.
-
-    A string needs its unit: `"40"` is refused, since whether 40 bytes or 40 GB was
-    meant cannot be known, and 40 bytes would make every layout fail.
-
-    Raises:
-        ValueError: not a number followed by a unit (B, KB, MB, GB, TB, KiB..TiB).
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    unit = match.group(2).upper() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"device memory {text!r} is not a size; write a number and a unit, e.g. 32GB, "
-            "40GiB or 16000000000B."
-        )
-    if not unit:
-        raise ValueError(
-            f"device memory {text!r} has no unit; write {match.group(1)}GB, "
-            f"{match.group(1)}GiB, or {match.group(1)}B if bytes are meant."
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def fmt_bytes(n: int | float) -> str:
-    """Bytes in GB (10**9) with one decimal, or MB below 1 GB."""
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 @dataclasses.dataclass(frozen=True)

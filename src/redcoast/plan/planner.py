@@ -28,14 +28,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
+from .._units import fmt_bytes as fmt_bytes
+from .._units import parse_bytes as parse_bytes
 from ..parallel._sharding_plan import ShardingPlan
 from ._report import PRECISIONS as PRECISIONS
 from ._report import REMATS as REMATS
 from ._report import Layout as Layout
 from ._report import LoRA as LoRA
 from ._report import MemoryPlan as MemoryPlan
-from ._report import fmt_bytes as fmt_bytes
-from ._report import parse_bytes as parse_bytes
 from ._step import PlannedModel as PlannedModel
 from ._step import compile_step, plan_specs
 from ._step import next_token_loss as next_token_loss

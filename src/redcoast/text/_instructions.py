@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,34 +140,82 @@ def tokenize_instructions(
         >>> data = rc.text.tokenize_instructions("train.jsonl", "checkpoints/llama", "cache/sft")
         >>> rows = rc.text.padded(data, 512)
     """
-    tok = load_tokenizer(tokenizer, eos_id=eos_id)
-    out = Path(path)
-    files, read = read_records(source, errors, out)
     keys = {"prompt": prompt_key, "completion": completion_key, "messages": messages_key}
+    tok = load_tokenizer(tokenizer, eos_id=eos_id)
+    return build_records(
+        "instructions",
+        source,
+        tok,
+        Path(path),
+        keys,
+        _encode_records,
+        errors=errors,
+        progress=progress,
+        label="instructions",
+    )
+
+
+def records_signature(source: Any, files: list[Path] | None) -> list[str] | None:
+    """What identifies records given directly: a list's hash, or a `datasets.Dataset`'s
+    (its records streamed through the hash); None for files (fingerprinted from the
+    very bytes tokenized) and for a one-shot iterator."""
+    if files is not None:
+        return None
+    if isinstance(source, Sequence) or not hasattr(source, "column_names"):
+        return text_signature(source)
+    h = hashlib.sha256()
+    for record in source:
+        h.update(json.dumps(record, sort_keys=True, default=str).encode())
+        h.update(b"\x00")
+    return [h.hexdigest()]
+
+
+Encoder = Callable[[Tokenizer, list[Any], dict[str, str]], Iterator[tuple[Any, Any, Any]]]
+"""`(tokenizer, records, keys) -> (ids, mask, origin)` for each document of the records."""
+
+
+def build_records(
+    kind: str,
+    source: Source,
+    tok: Tokenizer,
+    out: Path,
+    keys: dict[str, str],
+    encode: Encoder,
+    *,
+    errors: str,
+    progress: bool,
+    label: str,
+) -> TokenFile:
+    """A token folder of records, each made into documents with loss masks by `encode`.
+
+    `tokenize_instructions` and `tokenize_preferences` differ only in `kind`, the
+    records' field names and how a record becomes documents.
+    """
+    files, read = read_records(source, errors, out)
     template = getattr(tok.hf, "chat_template", None) or ""
     meta = {
-        "kind": "instructions",
+        "kind": kind,
         "tokenizer": tok.fingerprint(template if isinstance(template, str) else ""),
         "tokenizer_name": tok.name,
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
         "pad_id": tok.pad_id,
         "files": [str(f) for f in files or []],
-        # Files are fingerprinted from the very bytes tokenized, by `fill`.
-        "sources": None if files is not None else text_signature(source),
+        "sources": records_signature(source, files),
         "options": {**keys, "errors": errors},
     }
 
     def fill(writer: Writer) -> None:
         prints: list[list[Any]] = []
-        bar = progress_bar(None, progress and is_lead(), "instructions")
+        bar = progress_bar(None, progress and is_lead(), label)
         with bar if bar is not None else contextlib.nullcontext():
             task = None if bar is None else bar.add_task("", total=None)
             for chunk in batched(read(prints), 1024):
-                for ids, mask, origin in _encode_records(tok, chunk, keys):
+                for ids, mask, origin in encode(tok, chunk, keys):
                     writer.add(ids, origin, mask)
                 if bar is not None:
                     bar.advance(task, len(chunk))  # type: ignore[arg-type]
+        # Files are fingerprinted from the very bytes tokenized.
         if files is not None:
             writer.meta["sources"] = prints
 

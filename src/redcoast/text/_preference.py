@@ -9,9 +9,6 @@ checksummed as every token folder is, and `paired` reads row `i` from documents
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -19,28 +16,13 @@ from typing import Any, cast, overload
 
 import numpy as np
 
-from ._build import Writer, build, is_lead
-from ._instructions import batched, chat_ids, read_records
+from ._instructions import build_records, chat_ids
 from ._rows import PaddedRows, padded
-from ._sources import Source, describe_keys, progress_bar, same_sources, text_signature
+from ._sources import Source, describe_keys
 from ._token_file import TokenFile
 from ._tokenizer import Tokenizer, load_tokenizer
 
 ANSWERS = ("chosen", "rejected")
-
-
-def _signature(source: Any, files: list[Path] | None) -> list[str] | None:
-    """What identifies records given directly: a list's hash, or a `datasets.Dataset`'s
-    (its records streamed through the hash); None for a one-shot iterator."""
-    if files is not None:
-        return None
-    if isinstance(source, Sequence) or not hasattr(source, "column_names"):
-        return text_signature(source)
-    h = hashlib.sha256()
-    for record in source:
-        h.update(json.dumps(record, sort_keys=True, default=str).encode())
-        h.update(b"\x00")
-    return [h.hexdigest()]
 
 
 def _chat_answer(
@@ -148,44 +130,18 @@ def tokenize_preferences(
         >>> pairs = rc.text.tokenize_preferences("pairs.jsonl", "checkpoints/gpt2", "cache/pairs")
         >>> rows = rc.text.paired(pairs, 256)
     """
-    tok = load_tokenizer(tokenizer, eos_id=eos_id)
-    out = Path(path)
-    files, read = read_records(source, errors, out)
     keys = {"prompt": prompt_key, "chosen": chosen_key, "rejected": rejected_key}
-    template = getattr(tok.hf, "chat_template", None) or ""
-    meta = {
-        "kind": "preference",
-        "tokenizer": tok.fingerprint(template if isinstance(template, str) else ""),
-        "tokenizer_name": tok.name,
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "pad_id": tok.pad_id,
-        "files": [str(f) for f in files or []],
-        "sources": _signature(source, files),
-        "options": {**keys, "errors": errors},
-    }
-
-    def fill(writer: Writer) -> None:
-        prints: list[list[Any]] = []
-        bar = progress_bar(None, progress and is_lead(), "pairs")
-        with bar if bar is not None else contextlib.nullcontext():
-            task = None if bar is None else bar.add_task("", total=None)
-            for chunk in batched(read(prints), 1024):
-                for ids, mask, origin in _encode_pairs(tok, chunk, keys):
-                    writer.add(ids, origin, mask)
-                if bar is not None:
-                    bar.advance(task, len(chunk))  # type: ignore[arg-type]
-        if files is not None:
-            writer.meta["sources"] = prints
-
-    return build(
-        out,
+    tok = load_tokenizer(tokenizer, eos_id=eos_id)
+    return build_records(
+        "preference",
+        source,
         tok,
-        meta,
-        mask=True,
-        same_sources=same_sources(files, meta["sources"]),
-        fill=fill,
-        what=str(source)[:60],
+        Path(path),
+        keys,
+        _encode_pairs,
+        errors=errors,
+        progress=progress,
+        label="pairs",
     )
 
 

@@ -190,30 +190,9 @@ class _Loop:
     hooks: Sequence[Hook]
     checkpointing: Checkpointing
     # Before each checkpoint: raises when the workdir is no longer this run's.
-    still_held: Callable[[], None] | None
-
-
-def _train(
-    run: _Run,
-    state: LoopState,
-    history: dict[str, Any],
-    step_fn: Callable[..., Any],
-    epoch_batches: Callable[[int, int], tuple[Iterator[Batch], int]],
-    loop: _Loop,
-    evaluate: tuple[Evaluation, Callable[..., Callable[[LoopState], Any]]] | None,
-) -> LoopState:
-    """Run the loop with `fit`'s hooks: logging, evaluation, stops, checkpoints, the user's.
-
-    `evaluate` is the evaluation and `(emit, records) -> evaluate` (`_evaluator`
-    given the rest). Fills `history` ("train", "eval", "timing") and returns the
-    last state. An exception leaves with the last state reached as its
-    `loop_state` (see `_keep_state`).
-    """
-    try:
-        return _run_hooked(run, state, history, step_fn, epoch_batches, loop, evaluate)
-    except BaseException as err:
-        _keep_state(err, state, run.lead)
-        raise
+    still_held: Callable[[], None]
+    # The evaluation, and `(emit, records) -> evaluate` (`_evaluator` given the rest).
+    evaluate: tuple[Evaluation, Callable[..., Callable[[LoopState], Any]]] | None
 
 
 def _keep_state(err: BaseException, start: LoopState, lead: bool) -> None:
@@ -243,15 +222,78 @@ def _keep_state(err: BaseException, start: LoopState, lead: bool) -> None:
         err.add_note(f"redcoast: fit stopped by this error; {where}.")
 
 
-def _run_hooked(
+def _jitted_step(core: Callable[..., Any]) -> Callable[..., Any]:
+    """The jitted step of a run: `(model, opt_state, batch, key, step)`, the key folded in
+    inside, the model and optimizer state donated."""
+    return donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
+
+
+def _evaluation_of(
+    run: _Run,
+    evaluation: Evaluation | None,
+    loss_fn: LossFn,
+    collate_fn: CollateFn,
+    per_device_batch_size: int,
+    *,
+    precision: str,
+) -> tuple[Evaluation, Callable[..., Callable[[LoopState], Any]]] | None:
+    """The evaluation and `(emit, records) -> evaluate`, or None without one."""
+    if evaluation is None:
+        return None
+    per_device = evaluation.per_device_batch_size or per_device_batch_size
+    size = global_batch_size(run.mesh, per_device, split_rows=run.context is None)
+    make = functools.partial(
+        _evaluator, run, evaluation, loss_fn, collate_fn, size, precision=precision
+    )
+    return evaluation, make
+
+
+def _hand_over_and_train(
+    run: _Run,
+    state: LoopState,
+    history: dict[str, Any],
+    step: Callable[..., Any],
+    first: Batch,
+    epoch_batches: Callable[[int, int], tuple[Iterator[Batch], int]],
+    loop: _Loop,
+    given: tuple[Any, Any],
+    donate: bool,
+) -> LoopState:
+    """Compile the first step, hand the caller's arrays over, and train.
+
+    The first step is traced and compiled while the caller's arrays are still theirs,
+    so a `loss_fn` or shape error leaves them as they were; its first call runs this
+    program. From the hand-over on, an error carries the run's state (`_keep_state`).
+    """
+    lower = cast(Any, step).lower
+    lower(state.model, state.opt_state, first.arrays, run.key, np.int32(state.step)).compile()
+    state = _hand_over(state, given, donate)
+    try:
+        return _train(
+            run,
+            state,
+            history,
+            lambda m, o, b, s: step(m, o, b, run.key, np.int32(s)),
+            epoch_batches,
+            loop,
+        )
+    except BaseException as err:
+        _keep_state(err, state, run.lead)
+        raise
+
+
+def _train(
     run: _Run,
     state: LoopState,
     history: dict[str, Any],
     step_fn: Callable[..., Any],
     epoch_batches: Callable[[int, int], tuple[Iterator[Batch], int]],
     loop: _Loop,
-    evaluate: tuple[Evaluation, Callable[..., Callable[[LoopState], Any]]] | None,
 ) -> LoopState:
+    """Run the loop with `fit`'s hooks: logging, evaluation, stops, checkpoints, the user's.
+
+    Fills `history` ("train", "eval", "timing") and returns the last state.
+    """
     bar = ProgressBar(loop.total, enabled=loop.progress and run.lead, completed=state.step)
     with bar, _stop_requests(run.root is not None) as caught:
 
@@ -269,8 +311,8 @@ def _run_hooked(
             records=history["train"],
         )
         evaluating = None
-        if evaluate is not None:
-            evaluation, make = evaluate
+        if loop.evaluate is not None:
+            evaluation, make = loop.evaluate
             evaluating = (evaluation, make(emit, history["eval"]))
         builtin = _hooks(
             run,
@@ -280,7 +322,7 @@ def _run_hooked(
             user=loop.hooks,
             caught=caught,
             checkpointing=loop.checkpointing,
-            still_held=loop.still_held or (lambda: None),
+            still_held=loop.still_held,
         )
         try:
             state, history["timing"] = run_loop(
@@ -310,7 +352,8 @@ def _finish(
     return FitResult(state.model, state.opt_state, state.step, history, stopped_by=state.stop)
 
 
-# The signature groups the options as the Args below do.
+# The signature names fit's thirty options, grouped as the Args below group them, which
+# makes the function long; its body is a sequence of calls to the parts above.
 def fit(
     model: PyTree,
     optimizer: optax.GradientTransformation,
@@ -516,53 +559,38 @@ def fit(
             evaluation=evaluation,
             resume=resume,
         )
-        core = train_step(
-            loss_fn,
-            optimizer,
-            accumulate_grad_batches=accumulate_grad_batches,
-            mesh=mesh,
-            data_parallel=data_parallel,
-            schedule=schedule,
-            skip_nonfinite=on_nonfinite == "skip",
-            precision=precision,
-            trainable=mask,
-            parallelism=run.parallelism,
-            jit=False,
-        )
-        jitted = donating_jit(lambda m, o, b, k, s: core(m, o, b, jax.random.fold_in(k, s)))
-        evaluate = None
-        if evaluation is not None:
-            per_device = evaluation.per_device_batch_size or per_device_batch_size
-            eval_size = global_batch_size(mesh, per_device, split_rows=context is None)
-            make = functools.partial(
-                _evaluator, run, evaluation, loss_fn, collate_fn, eval_size, precision=precision
+        step = _jitted_step(
+            train_step(
+                loss_fn,
+                optimizer,
+                accumulate_grad_batches=accumulate_grad_batches,
+                mesh=mesh,
+                data_parallel=data_parallel,
+                schedule=schedule,
+                skip_nonfinite=on_nonfinite == "skip",
+                precision=precision,
+                trainable=mask,
+                parallelism=run.parallelism,
+                jit=False,
             )
-            evaluate = (evaluation, make)
-        loop = _Loop(
-            n_epochs,
-            max_steps,
-            _total_steps(train_examples, n_epochs, max_steps, size),
-            on_nonfinite,
-            log_every,
-            [*loggers] if root is None else [jsonl_logger(Path(root, "metrics.jsonl")), *loggers],
-            progress,
-            hooks,
-            checkpointing or Checkpointing(),
-            still_held,
         )
-        # The first step is traced and compiled while the caller's arrays are still
-        # theirs, so a loss_fn or shape error leaves them as they were; its first call
-        # runs this program. From the hand-over on, an error carries the run's state.
-        lower = cast(Any, jitted).lower
-        lower(state.model, state.opt_state, first.arrays, run.key, np.int32(state.step)).compile()
-        state = _hand_over(state, (model, opt_state), donate)
-        state = _train(
-            run,
-            state,
-            history,
-            lambda m, o, b, s: jitted(m, o, b, run.key, np.int32(s)),
-            epoch_batches,
-            loop,
-            evaluate,
+        metrics_file = Path(root or ".", "metrics.jsonl")
+        loop = _Loop(
+            n_epochs=n_epochs,
+            max_steps=max_steps,
+            total=_total_steps(train_examples, n_epochs, max_steps, size),
+            on_nonfinite=on_nonfinite,
+            log_every=log_every,
+            sinks=[*loggers] if root is None else [jsonl_logger(metrics_file), *loggers],
+            progress=progress,
+            hooks=hooks,
+            checkpointing=checkpointing or Checkpointing(),
+            still_held=still_held or (lambda: None),
+            evaluate=_evaluation_of(
+                run, evaluation, loss_fn, collate_fn, per_device_batch_size, precision=precision
+            ),
+        )
+        state = _hand_over_and_train(
+            run, state, history, step, first, epoch_batches, loop, (model, opt_state), donate
         )
         return _finish(run, state, history, progress, time.perf_counter() - started)

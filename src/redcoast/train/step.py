@@ -282,27 +282,43 @@ def _train_core(
         if axis_name is not None:
             loss, aux, grads = jax.lax.pmean((loss, aux, grads), axis_name)
             params = eqx.filter(model, mask)
-        grad_norm = optax.tree.norm(grads).astype(jnp.float32)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm}
-        lr = _learning_rate(new_opt_state, opt_state, schedule)
-        if lr is not None:
-            metrics["lr"] = lr
-        ok = _all_finite(loss, grad_norm, new_params)
-        metrics["nonfinite"] = 1.0 - ok.astype(jnp.float32)
-        if skip_nonfinite:
-
-            def keep(new: Any, old: Any) -> Any:
-                return jnp.where(ok, new, old) if eqx.is_array(new) else new
-
-            new_params = jax.tree.map(keep, new_params, params)
-            new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-            metrics["skipped"] = metrics["nonfinite"]
+        new_params, new_opt_state, metrics = _update(
+            optimizer, params, opt_state, grads, loss, schedule, skip_nonfinite
+        )
         metrics.update(aux)
         return eqx.combine(new_params, frozen, static), new_opt_state, metrics
 
     return step
+
+
+def _update(
+    optimizer: optax.GradientTransformation,
+    params: Any,
+    opt_state: Any,
+    grads: Any,
+    loss: Array,
+    schedule: Callable[[Any], Any] | None,
+    skip_nonfinite: bool,
+) -> tuple[Any, Any, dict[str, Array]]:
+    """The optimizer's update of `params`, kept or skipped, and the step's own metrics."""
+    grad_norm = optax.tree.norm(grads).astype(jnp.float32)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    lr = _learning_rate(new_opt_state, opt_state, schedule)
+    if lr is not None:
+        metrics["lr"] = lr
+    ok = _all_finite(loss, grad_norm, new_params)
+    metrics["nonfinite"] = 1.0 - ok.astype(jnp.float32)
+    if skip_nonfinite:
+
+        def keep(new: Any, old: Any) -> Any:
+            return jnp.where(ok, new, old) if eqx.is_array(new) else new
+
+        new_params = jax.tree.map(keep, new_params, params)
+        new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        metrics["skipped"] = metrics["nonfinite"]
+    return new_params, new_opt_state, metrics
 
 
 def _shard_map_step(core: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
@@ -377,6 +393,38 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
 
     cast(Any, call).lower = lower
     return call
+
+
+def _check_options(
+    accumulate_grad_batches: Any,
+    data_parallel: str,
+    mesh: Mesh | None,
+    sequence_parallel: Any,
+    context_parallel: Any,
+) -> None:
+    """`train_step`'s options, each wrong one an error naming it and what would work."""
+    if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
+        raise TypeError(
+            f"accumulate_grad_batches must be an int, got {type(accumulate_grad_batches).__name__}."
+        )
+    if accumulate_grad_batches < 1:
+        raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}.")
+    if data_parallel not in ("jit", "shard_map"):
+        raise ValueError(f"data_parallel must be 'jit' or 'shard_map', got {data_parallel!r}.")
+    if data_parallel == "shard_map" and mesh is None:
+        raise ValueError("data_parallel='shard_map' needs mesh=make_mesh(1).")
+    check_options(sequence_parallel, context_parallel)
+    if data_parallel == "shard_map" and sequence_parallel is not False:
+        raise ValueError(
+            "data_parallel='shard_map' replicates the model, so there is no model axis to "
+            "split the activations over: use data_parallel='jit' with sequence_parallel."
+        )
+    if data_parallel == "shard_map" and context_parallel:
+        raise ValueError(
+            "data_parallel='shard_map' splits the rows of the batch over the data axis by "
+            "hand, so it cannot split the sequences too: use data_parallel='jit' with "
+            "context_parallel."
+        )
 
 
 def train_step(
@@ -467,28 +515,9 @@ def train_step(
         ...     key = jax.random.fold_in(jax.random.key(0), i)
         ...     model, opt_state, metrics = step(model, opt_state, batch, key)
     """
-    if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
-        raise TypeError(
-            f"accumulate_grad_batches must be an int, got {type(accumulate_grad_batches).__name__}."
-        )
-    if accumulate_grad_batches < 1:
-        raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}.")
-    if data_parallel not in ("jit", "shard_map"):
-        raise ValueError(f"data_parallel must be 'jit' or 'shard_map', got {data_parallel!r}.")
-    if data_parallel == "shard_map" and mesh is None:
-        raise ValueError("data_parallel='shard_map' needs mesh=make_mesh(1).")
-    check_options(sequence_parallel, context_parallel)
-    if data_parallel == "shard_map" and sequence_parallel is not False:
-        raise ValueError(
-            "data_parallel='shard_map' replicates the model, so there is no model axis to "
-            "split the activations over: use data_parallel='jit' with sequence_parallel."
-        )
-    if data_parallel == "shard_map" and context_parallel:
-        raise ValueError(
-            "data_parallel='shard_map' splits the rows of the batch over the data axis by "
-            "hand, so it cannot split the sequences too: use data_parallel='jit' with "
-            "context_parallel."
-        )
+    _check_options(
+        accumulate_grad_batches, data_parallel, mesh, sequence_parallel, context_parallel
+    )
     check_precision(precision)
     core = _train_core(
         loss_fn,
