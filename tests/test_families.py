@@ -163,9 +163,16 @@ def forward(model: Any, ids: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- transformers
 
 
-# LongRoPE's long factors (Phi-3 128k) past 8 positions: slow; its frequencies are
-# checked against transformers' in test_rope_frequencies_equal_transformers.
-@pytest.mark.parametrize("name", [*NAMES, pytest.param("phi3-longrope", marks=pytest.mark.slow)])
+# Fast: four families that between them have every option but the query/key norms
+# (experts, windows on some layers, soft caps, 1 + w norms, biases, fused projections,
+# tied heads). The others, and LongRoPE's long factors (Phi-3 128k) past 8 positions,
+# are slow; the frequencies of every RoPE type are checked in the fast tests below.
+FAST = ("qwen2", "mixtral", "gemma2", "phi3")
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=SLOW) for n in (*NAMES, "phi3-longrope")]
+)
 def test_logits_and_to_hf_equal_transformers(checkpoints, name: str, tmp_path) -> None:
     folder, hf_model = checkpoints(name)
     model = rc.models.from_hf(folder)
