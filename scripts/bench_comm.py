@@ -6,8 +6,10 @@ read back from the partitioned HLO. Models: the tiny reference architectures and
 zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`, and the encoder-decoders `T5` and
 `BART`, whose cross-attention and two FFNs are split too) at the same size, and the
 architectures of `tests/architectures.py` (MoE, DiT, ViT, BERT, encoder-decoder,
-scan-over-layers, raw-array MLP), each with its own hand layout, and LoRA GPT-2 and
-LLaMA (rank 8 on every projection) against Megatron-LM's layout with its LoRA. Layouts:
+scan-over-layers, raw-array MLP), each with its own hand layout, LoRA GPT-2 and
+LLaMA (rank 8 on every projection) against Megatron-LM's layout with its LoRA, and
+today's families on the shared decoder (`--models family`: Llama 3, Qwen 2/3,
+Mistral, Mixtral against expert parallelism, Gemma 2/3, Phi-3). Layouts:
 
 - ours:        redcoast.sharding_plan with example_call (the dataflow rules)
 - megatron:    the hand-written layout: Megatron-LM's (tests/tiny.py `megatron_specs`)
@@ -47,7 +49,7 @@ from redcoast._tree_paths import path_str
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import architectures as arch
 from hlo import collectives, summarize, weight_all_gathers
-from tiny import DeepMLP, TinyGPT, TinyGPTJ, TinyLlama, megatron_specs
+from tiny import FAMILIES, DeepMLP, TinyGPT, TinyGPTJ, TinyLlama, family_config, megatron_specs
 
 KEY = jax.random.key(0)
 MODELS: dict[str, Callable[[], eqx.Module]] = {
@@ -116,6 +118,31 @@ MODELS: dict[str, Callable[[], eqx.Module]] = {
         key=KEY,
     ),
 }
+
+
+# Today's families on the shared decoder (tests/tiny.py `family_config`: every variant on,
+# windows of 16 of the 64 tokens), against Megatron-LM's layout; Mixtral's 8 experts
+# against expert parallelism written by hand (whole experts per shard).
+FAMILY_ROWS = {
+    "llama3": "family llama3 (rope llama3, tied)",
+    "qwen2": "family qwen2 (qkv bias, windows)",
+    "qwen3": "family qwen3 (q/k norms)",
+    "mistral": "family mistral (window)",
+    "mixtral": "family mixtral (8 experts, top-2)",
+    "gemma2": "family gemma2 (caps, local/global)",
+    "gemma3": "family gemma3 (q/k norms, local)",
+    "phi3": "family phi3 (fused qkv, gate_up)",
+}
+
+
+def family(name: str) -> eqx.Module:
+    config = family_config(
+        name, vocab=512, width=256, layers=4, heads=8, kv_heads=8, ffn=688, window=16, experts=8
+    )
+    return getattr(rc.models, FAMILIES[name])(config, key=KEY)
+
+
+MODELS.update({row: (lambda name=name: family(name)) for name, row in FAMILY_ROWS.items()})
 
 
 # Architectures beyond the zoo: (model, hand layouts by path); the best hand layout counts.

@@ -256,7 +256,9 @@ def test_unsupported_architecture_is_named(gpt2_folder: Path, tmp_path: Path) ->
     config.update(model_type="bert", architectures=["BertForMaskedLM"])
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"model_type='bert'.*\['bart', 'gpt2', 'gptj', 'llama', 'opt', 't5'\]"
+        ValueError,
+        match=r"model_type='bert'.*\['bart', 'gemma2', 'gemma3_text', 'gpt2', 'gptj', "
+        r"'llama', 'mistral', 'mixtral', 'opt', 'phi3', 'qwen2', 'qwen3', 't5'\]",
     ):
         rc.models.from_hf(folder)
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*rc.models.from_hf picks"):

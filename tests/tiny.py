@@ -241,6 +241,7 @@ _COLUMN = (
 )
 _ROW = ("output_proj", "o_proj", "fc_out", "down_proj")
 _TOKEN_EMBEDDINGS = ("embed", "embed_tokens")
+_EXPERTS = ("w1", "w2", "w3")  # rc.models.SparseMoE's stacked experts
 
 
 def _first_attention(model: eqx.Module) -> eqx.Module | None:
@@ -270,8 +271,10 @@ def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
 
     Column-parallel Q/K/V, MLP input and output head (bias split with them), row-parallel
     O and MLP output, a vocabulary-parallel token embedding, and everything else
-    (norms, position tables) replicated; Q or K/V whose heads do not divide the shards
-    are replicated (Megatron's grouped-query attention with fewer groups than shards).
+    (norms, position tables, routers) replicated; Q or K/V whose heads do not divide the
+    shards are replicated (Megatron's grouped-query attention with fewer groups than
+    shards); stacked experts split whole over the shards (expert parallelism, Megatron's
+    MoE layout), or within each expert when their number does not divide the shards.
     Stacked layers (scanned) keep the layout on their trailing axes; a LoRA layer's
     base splits as the layer, its adapters as `_lora_spec` says. `DeepMLP`
     alternates column, row, column, ... Covers the tiny models and the decoder zoo;
@@ -297,6 +300,14 @@ def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
             if kind == "weight":
                 return P(MODEL, None) if column else P(None, MODEL)
             return P(MODEL) if column else P()
+        if owner == "mlp" and kind in _EXPERTS:
+            # Mixtral's stacked experts, expert-parallel: each shard holds whole experts
+            # (Megatron-LM's MoE layout); within each expert when they do not divide.
+            if leaf.shape[-3] % n_model_shards == 0:
+                trailing = (MODEL, None, None)
+            else:
+                trailing = (None, None, MODEL) if kind == "w2" else (None, MODEL, None)
+            return P(*([None] * (leaf.ndim - 3)), *trailing)
         if owner in _TOKEN_EMBEDDINGS and kind == "weight" and len(names) == 2:
             trailing: tuple = (MODEL, None)
         elif owner in heads and heads[owner] % n_model_shards:
@@ -365,3 +376,78 @@ def hf_decoder_config(
     return transformers.GPTJConfig(
         n_positions=64, n_embd=width, n_layer=2, n_head=4, rotary_dim=width // 8, **common
     )
+
+
+FAMILIES = {
+    "llama3": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "mixtral": "Mixtral",
+    "gemma2": "Gemma2",
+    "gemma3": "Gemma3",
+    "phi3": "Phi3",
+}
+"""Today's families on the shared decoder: a name here -> class name in `redcoast.models`."""
+
+
+def family_config(
+    name: str,
+    *,
+    vocab: int = 128,
+    width: int = 32,
+    layers: int = 3,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 64,
+    window: int = 5,
+    experts: int = 4,
+) -> object:
+    """A small redcoast config of a family of `FAMILIES`, each with its variants on: Llama
+    3's scaled RoPE and tied head, Qwen 2's Q/K/V biases and windows above layer 1, Qwen
+    3's query/key norms, Mistral's window, Mixtral's experts, Gemma's soft caps and
+    local layers (Gemma 3's with their own RoPE base), Phi-3's fused projections."""
+    import redcoast as rc
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+    )
+    head_dim = {"head_dim": width // heads}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    m = rc.models
+    configs = {
+        "llama3": lambda: m.LlamaConfig(
+            **common, rope_theta=500000.0, rope_scaling=llama3, tie_word_embeddings=True
+        ),
+        "qwen2": lambda: m.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=window, max_window_layers=1
+        ),
+        "qwen3": lambda: m.Qwen3Config(**common, **head_dim),
+        "mistral": lambda: m.MistralConfig(**common, sliding_window=window),
+        "mixtral": lambda: m.MixtralConfig(**common, num_local_experts=experts),
+        "gemma2": lambda: m.Gemma2Config(
+            **common, **head_dim, sliding_window=window, query_pre_attn_scalar=width // heads
+        ),
+        "gemma3": lambda: m.Gemma3TextConfig(
+            **common,
+            **head_dim,
+            sliding_window=window,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=width // heads,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+        "phi3": lambda: m.Phi3Config(**common, sliding_window=window),
+    }
+    return configs[name]()

@@ -1,9 +1,11 @@
 """Equinox models and the blocks they share.
 
-The decoder zoo -- `GPT2`, `Llama`, `OPT`, `GPTJ` -- loads from and saves to Hugging
-Face `transformers` folders (`from_hf`, `to_hf`) and generates with a key/value
-cache (`generate`). The encoder-decoders `T5` and `BART` do the same, and generate
-greedily, by sampling or by beam search (`generate_seq2seq`).
+The decoder zoo -- `GPT2`, `OPT`, `GPTJ`, and today's checkpoints on one
+`Decoder`: `Llama` (1-3.2), `Qwen2`, `Qwen3`, `Mistral`, `Mixtral`, `Gemma2`,
+`Gemma3`, `Phi3` -- loads from and saves to Hugging Face `transformers` folders
+(`from_hf`, `to_hf`) and generates with a key/value cache (`generate`). The
+encoder-decoders `T5` and `BART` do the same, and generate greedily, by sampling
+or by beam search (`generate_seq2seq`).
 """
 
 from .auto import ARCHITECTURES as ARCHITECTURES
@@ -11,6 +13,12 @@ from .auto import from_hf as from_hf
 from .bart import BART as BART
 from .bart import BARTConfig as BARTConfig
 from .causal_lm import AbstractCausalLM as AbstractCausalLM
+from .decoder import Decoder as Decoder
+from .decoder import DecoderConfig as DecoderConfig
+from .gemma import Gemma2 as Gemma2
+from .gemma import Gemma2Config as Gemma2Config
+from .gemma import Gemma3 as Gemma3
+from .gemma import Gemma3TextConfig as Gemma3TextConfig
 from .generation import generate as generate
 from .gpt2 import GPT2 as GPT2
 from .gpt2 import GPT2Config as GPT2Config
@@ -29,11 +37,25 @@ from .layers import rotate as rotate
 from .llama import Llama as Llama
 from .llama import LlamaConfig as LlamaConfig
 from .loss import lm_loss as lm_loss
+from .loss import moe_lm_loss as moe_lm_loss
 from .loss import next_token_nll as next_token_nll
+from .mistral import Mistral as Mistral
+from .mistral import MistralConfig as MistralConfig
+from .mistral import Mixtral as Mixtral
+from .mistral import MixtralConfig as MixtralConfig
+from .moe import SparseMoE as SparseMoE
+from .moe import load_balancing_loss as load_balancing_loss
 from .opt import OPT as OPT
 from .opt import OPTConfig as OPTConfig
+from .phi3 import Phi3 as Phi3
+from .phi3 import Phi3Config as Phi3Config
 from .presets import PRESETS as PRESETS
 from .presets import preset as preset
+from .qwen import Qwen2 as Qwen2
+from .qwen import Qwen2Config as Qwen2Config
+from .qwen import Qwen3 as Qwen3
+from .qwen import Qwen3Config as Qwen3Config
+from .rope import RoPE as RoPE
 from .seq2seq import AbstractSeq2SeqLM as AbstractSeq2SeqLM
 from .seq2seq import Seq2SeqAttention as Seq2SeqAttention
 from .seq2seq_generation import generate_seq2seq as generate_seq2seq

@@ -3,7 +3,9 @@
 Each architecture lists its maps (`hf_tensors`); `hf.load` and `hf.save` apply
 them. Besides a tensor stored as the model stores it (`same`), there are GPT-2's
 transposed `Conv1D` weights (`conv1d`), tables padded to a vocabulary multiple
-(`vocab_rows`) and fused Q/K/V projections split in three (`fused_qkv`).
+(`vocab_rows`), fused Q/K/V projections split in three (`fused_qkv`, GPT-2's
+`Conv1D`; `split_rows`, Phi-3's fused Linears) and one tensor per expert stacked on
+an expert axis (`experts`, Mixtral's).
 """
 
 import dataclasses
@@ -13,7 +15,7 @@ import numpy as np
 
 from ._hf_config import HFConfig
 
-__all__ = ["TensorMap", "conv1d", "fused_qkv", "same", "vocab_rows"]
+__all__ = ["TensorMap", "conv1d", "experts", "fused_qkv", "same", "split_rows", "vocab_rows"]
 
 
 def _one(x: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -36,6 +38,9 @@ class TensorMap:
         to_hf: the arrays of `ours` -> the checkpoint tensor.
         stack: in a per-layer map, the model's field that holds the layers
             (`blocks`; an encoder-decoder has `encoder_blocks` and `decoder_blocks`).
+        n_experts: for a tensor per expert (`{e}` in `hf`, see `experts`), how many:
+            the model's array stacks them on an expert axis (after the layer axis of
+            stacked layers).
     """
 
     hf: str
@@ -43,10 +48,17 @@ class TensorMap:
     to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]] = _one
     to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray] = _first
     stack: str = "blocks"
+    n_experts: int = 0
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    def name(self, layer: int | None, expert: int | None = None) -> str:
+        """The checkpoint's name of this tensor in `layer` (and of `expert`)."""
+        if layer is None and expert is None:
+            return self.hf
+        return self.hf.format(i=layer, e=expert)
 
 
 def same(hf: str, ours: str) -> TensorMap:
@@ -112,3 +124,35 @@ def fused_qkv(hf: str, q: str, k: str, v: str, *, bias: bool) -> TensorMap:
     if bias:
         return TensorMap(hf, (q, k, v), _split3_bias, _join3_bias)
     return TensorMap(hf, (q, k, v), _split3_weight, _join3_weight)
+
+
+def split_rows(hf: str, ours: tuple[str, ...], sizes: tuple[int, ...]) -> TensorMap:
+    """A fused `(out_1 + out_2 + ..., in)` Linear weight (Phi-3's `qkv_proj` and
+    `gate_up_proj`) split by rows into the model's separate Linears, and joined back.
+
+    Separate projections are what the sharding rules split by heads (Q, K, V) or
+    alike (gate and up); a fused one would be cut across its parts.
+    """
+    if len(ours) != len(sizes):
+        raise ValueError(f"split_rows: {len(ours)} arrays but {len(sizes)} sizes")
+    bounds = np.cumsum(sizes)[:-1]
+
+    def split(x: np.ndarray) -> tuple[np.ndarray, ...]:
+        if x.ndim < 1 or x.shape[0] != sum(sizes):
+            raise ValueError(
+                f"expected {sum(sizes)} rows ({' + '.join(map(str, sizes))}), got shape {x.shape}"
+            )
+        return tuple(np.ascontiguousarray(p) for p in np.split(x, bounds, axis=0))
+
+    def join(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+        return np.concatenate(xs, axis=0)
+
+    return TensorMap(hf, ours, split, join)
+
+
+def experts(hf: str, ours: str, n: int) -> TensorMap:
+    """One tensor per expert (`...experts.{e}.w1.weight`, Mixtral's) stacked on the
+    leading expert axis of one array of the model, and unstacked on saving."""
+    if "{e}" not in hf:
+        raise ValueError(f"experts: {hf!r} has no {{e}} for the expert index")
+    return TensorMap(hf, (ours,), n_experts=n)

@@ -5,16 +5,21 @@ from typing import Unpack
 
 from .bart import BART
 from .causal_lm import AbstractCausalLM
+from .gemma import Gemma2, Gemma3
 from .gpt2 import GPT2
 from .gptj import GPTJ
 from .hf import LoadOptions, check_load_options, read_config
 from .llama import Llama
+from .mistral import Mistral, Mixtral
 from .opt import OPT
+from .phi3 import Phi3
+from .qwen import Qwen2, Qwen3
 from .seq2seq import AbstractSeq2SeqLM
 from .t5 import T5
 
+_CLASSES = (GPT2, OPT, GPTJ, T5, BART, Llama, Qwen2, Qwen3, Mistral, Mixtral, Gemma2, Gemma3, Phi3)
 ARCHITECTURES: dict[str, type[AbstractCausalLM] | type[AbstractSeq2SeqLM]] = {
-    cls.config_class.model_type: cls for cls in (GPT2, Llama, OPT, GPTJ, T5, BART)
+    cls.config_class.model_type: cls for cls in _CLASSES
 }
 """config.json's `model_type` -> the class that implements it."""
 
@@ -22,8 +27,11 @@ ARCHITECTURES: dict[str, type[AbstractCausalLM] | type[AbstractSeq2SeqLM]] = {
 def from_hf(
     path: str | Path, **options: Unpack[LoadOptions]
 ) -> AbstractCausalLM | AbstractSeq2SeqLM:
-    """Load a `transformers` `save_pretrained` folder as a `GPT2`, `Llama`, `OPT`, `GPTJ`,
-    `T5` or `BART`.
+    """Load a `transformers` `save_pretrained` folder as the zoo model its `model_type` names.
+
+    The `model_type`s: `gpt2`, `opt`, `gptj`, `llama` (1, 2, 3, 3.1, 3.2), `qwen2`
+    (Qwen 2, 2.5), `qwen3`, `mistral`, `mixtral`, `gemma2`, `gemma3_text`, `phi3`, and
+    the encoder-decoders `t5` and `bart` (`ARCHITECTURES`).
 
     Args:
         path: the folder (config.json + safetensors).

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
-from ..nn import Norm, RematPolicy, normalise, table_dtype, tied_logits
+from ..nn import RematPolicy, table_dtype, tied_logits
 from ..parallel import fsdp
 from ..parallel.place import placement_hint
 from . import hf
 from ._stack import run_stack
 from .checks import check_range
-from .layers import DecoderBlock, KVCache
+from .layers import AnyNorm, DecoderBlock, KVCache, LayerAttention, apply_norm
 
 Blocks = tuple[DecoderBlock, ...] | DecoderBlock
 """The layers: a tuple, or one `DecoderBlock` whose arrays have a leading layer axis."""
@@ -59,7 +59,7 @@ class AbstractCausalLM(hf.HFModel):
     embed_tokens: eqx.AbstractVar[eqx.nn.Embedding]
     embed_positions: eqx.AbstractVar[eqx.nn.Embedding | None]
     blocks: eqx.AbstractVar[Blocks]
-    norm: eqx.AbstractVar[Norm]
+    norm: eqx.AbstractVar[AnyNorm]
     lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
     config: eqx.AbstractVar[Any]
     remat: eqx.AbstractVar[RematPolicy]
@@ -164,7 +164,7 @@ class AbstractCausalLM(hf.HFModel):
             )
         with placement_hint():
             x = self._embed(input_ids, positions)
-            x, _ = self._blocks(x, positions, None, 0, segment_ids)
+            x, _, _ = self._run_blocks(x, positions, None, 0, segment_ids)
             return self._logits(x)
 
     def decode(
@@ -205,7 +205,7 @@ class AbstractCausalLM(hf.HFModel):
                 f"{type(self).__name__}'s position table has {self.max_positions} positions.",
             )
         positions = index + jnp.arange(seq)
-        x, new = self._blocks(self._embed(input_ids, positions), positions, cache, index)
+        x, new, _ = self._run_blocks(self._embed(input_ids, positions), positions, cache, index)
         assert new is not None
         return self._logits(x), new
 
@@ -238,6 +238,9 @@ class AbstractCausalLM(hf.HFModel):
         )
         use = fsdp.layouts(self)
         x = jax.vmap(fsdp.gather(self.embed_tokens, use.embed_tokens))(input_ids)
+        if self.embedding_scale is not None:
+            # In the table's dtype, as transformers scales Gemma's embeddings.
+            x = x * jnp.asarray(self.embedding_scale, jnp.float32).astype(x.dtype)
         if self.embed_positions is not None:
             table = fsdp.gather(self.embed_positions, use.embed_positions)
             x = x + jax.vmap(table)(positions + self.position_offset)
@@ -245,13 +248,16 @@ class AbstractCausalLM(hf.HFModel):
 
     def _logits(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
         use = fsdp.layouts(self)
-        h = normalise(fsdp.gather(self.norm, use.norm), x)
+        h = apply_norm(fsdp.gather(self.norm, use.norm), x)
         if self.lm_head is None:
             logits = tied_logits(fsdp.gather(self.embed_tokens, use.embed_tokens), h)
         else:
             logits = jax.vmap(fsdp.gather(self.lm_head, use.lm_head))(h)
         # The head's matmul runs in the parameters' dtype; the loss on its output in float32.
         logits = logits.astype(jnp.float32)
+        cap = self.logit_softcap
+        if cap is not None:
+            logits = cap * jnp.tanh(logits / cap)
         vocab = self.config.vocab_size
         if logits.shape[-1] == vocab:
             return logits
@@ -260,23 +266,65 @@ class AbstractCausalLM(hf.HFModel):
         real = jnp.arange(logits.shape[-1]) < vocab
         return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
 
-    def _blocks(
+    def layer_attention(self) -> tuple[LayerAttention, ...] | None:
+        """Each layer's window and rotation, when the model says them per layer (the
+        decoders of `decoder.py`); `None` when each block's attention has its own."""
+        return None
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """What the token embeddings are multiplied by (Gemma's `sqrt(hidden)`), or `None`."""
+        return None
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """The logits become `cap * tanh(logits / cap)` (Gemma's final soft cap), or `None`."""
+        return None
+
+    def _run_blocks(
         self,
         x: Float[Array, "seq hidden"],
         positions: Real[Array, " seq"],
         cache: Cache | None,
         index: Int[Array, ""] | int,
         segment_ids: Int[Array, " seq"] | None = None,
-    ) -> tuple[Float[Array, "seq hidden"], Cache | None]:
+    ) -> tuple[Float[Array, "seq hidden"], Cache | None, Any]:
+        """The blocks on `x`: the hidden states, the new cache and the routers' logits
+        (one per layer, a tuple or stacked; `None`s for dense MLPs)."""
         # Training runs each block under the remat policy; the cached (decoding) path
         # computes no gradients, so there is nothing to rematerialise.
         policy = self.remat if cache is None else "none"
+        blocks = self.blocks
+        stacked = not isinstance(blocks, tuple)
+        n = 0 if stacked else len(blocks)
+        kinds = self.layer_attention()
+        distinct = tuple(dict.fromkeys(kinds or ()))
+        if len(distinct) <= 1:  # every layer alike: each block's attention has it
+            which: Any = None if stacked else (None,) * n
+        elif stacked:  # picked at run time, scanned with the layers
+            assert kinds is not None
+            which = jnp.asarray([distinct.index(k) for k in kinds], jnp.int32)
+        else:
+            which = kinds
 
         def layer(
-            block: DecoderBlock, h: Float[Array, "seq hidden"], c: KVCache | None
-        ) -> tuple[Float[Array, "seq hidden"], KVCache | None]:
-            return block(h, positions, c, index, segment_ids)
+            block: DecoderBlock, h: Float[Array, "seq hidden"], per: Any
+        ) -> tuple[Float[Array, "seq hidden"], Any]:
+            c, kind = per
+            if kind is not None and not isinstance(kind, LayerAttention):
+                kind = (distinct, kind)
+            h, c, router = block.forward(h, positions, c, index, kind, segment_ids)
+            return h, (c, router)
 
         use = fsdp.layouts(self).blocks
-        x, new = run_stack(self.blocks, x, cache, layer, use, policy)
-        return x, None if cache is None else new
+        if stacked:
+            per_layer: Any = (cache, which)
+        else:
+            caches: Any = (None,) * n if cache is None else cache
+            per_layer = tuple(zip(caches, which, strict=True))
+        x, outs = run_stack(blocks, x, per_layer, layer, use, policy)
+        if stacked:
+            new, routers = outs
+        else:
+            new, routers = tuple(o[0] for o in outs), tuple(o[1] for o in outs)
+        return x, None if cache is None else new, routers

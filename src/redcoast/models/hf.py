@@ -48,9 +48,15 @@ from ._hf_folder import MissingTensorError as MissingTensorError
 from ._hf_folder import SavedTensors
 from ._tensor_maps import TensorMap as TensorMap
 from ._tensor_maps import conv1d as conv1d
+from ._tensor_maps import experts as experts
 from ._tensor_maps import fused_qkv as fused_qkv
 from ._tensor_maps import same as same
+from ._tensor_maps import split_rows as split_rows
 from ._tensor_maps import vocab_rows as vocab_rows
+
+# One tensor of the checkpoint in one array of the model: (map, layer, expert, which of
+# the map's arrays).
+Piece = tuple[TensorMap, int | None, int | None, int]
 
 # The token ids a zoo model's `trace_call` runs on: a constant from outside the
 # trace, which the sharding rules take for data.
@@ -71,22 +77,24 @@ def _layer_count(model: Any, stack: str = "blocks") -> tuple[int, bool]:
 
 def _sources(
     maps: list[TensorMap], layers: Mapping[str, tuple[int, bool]]
-) -> dict[str, list[tuple[TensorMap, int | None, int]]]:
-    """Our leaf path -> the (map, layer, position in map.ours) pieces it is made of.
+) -> dict[str, list[Piece]]:
+    """Our leaf path -> the (map, layer, expert, position in map.ours) pieces it is made of.
 
-    A stacked leaf (scanned layers) is made of one piece per layer.
+    A stacked leaf (scanned layers) is made of one piece per layer, a leaf of experts
+    of one per expert (per layer and expert, for stacked layers), in that order.
     """
-    out: dict[str, list[tuple[TensorMap, int | None, int]]] = {}
+    out: dict[str, list[Piece]] = {}
     for m in maps:
         n_layers, stacked = layers.get(m.stack, (0, False))
+        experts: list[int | None] = list(range(m.n_experts)) if m.n_experts else [None]
         for j, ours in enumerate(m.ours):
             if not m.per_layer:
-                out[ours] = [(m, None, j)]
+                out[ours] = [(m, None, e, j) for e in experts]
             elif stacked:
-                out[f"{m.stack}.{ours}"] = [(m, i, j) for i in range(n_layers)]
+                out[f"{m.stack}.{ours}"] = [(m, i, e, j) for i in range(n_layers) for e in experts]
             else:
                 for i in range(n_layers):
-                    out[f"{m.stack}.{i}.{ours}"] = [(m, i, j)]
+                    out[f"{m.stack}.{i}.{ours}"] = [(m, i, e, j) for e in experts]
     return out
 
 
@@ -264,25 +272,28 @@ def load(cls: Any, path: str | Path, **options: Unpack[LoadOptions]) -> Any:
 
 def _read_array(
     checkpoint: SavedTensors,
-    pieces: list[tuple[TensorMap, int | None, int]],
+    pieces: list[Piece],
     name: str,
     leaf: jax.ShapeDtypeStruct,
     stacked: bool,
     cls: Any,
     folder: Path,
 ) -> np.ndarray:
-    """The array `name` on the host: its pieces read, converted, checked and stacked."""
+    """The array `name` on the host: its pieces read, converted, checked and stacked
+    (on the layer axis of stacked layers, then on the expert axis)."""
+    n_experts = pieces[0][0].n_experts
+    leading = int(stacked) + int(n_experts > 0)
+    want = tuple(leaf.shape[leading:])
     parts = []
-    for m, layer, j in pieces:
-        hf_name = m.hf if layer is None else m.hf.format(i=layer)
+    for m, layer, expert, j in pieces:
+        hf_name = m.name(layer, expert)
         tensor = checkpoint.get(hf_name, name)
-        want = tuple(leaf.shape[1:] if stacked else leaf.shape)
         converted = _convert(m, tensor, hf_name, name, want)[j]
         if tuple(converted.shape) != want:
             raise ValueError(
                 f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, but config.json "
-                f"implies {name} of shape {want}; the checkpoint was saved with a "
-                "different config."
+                f"implies {name} of shape {tuple(leaf.shape)} (each piece {want}); the "
+                "checkpoint was saved with a different config."
             )
         floats = jnp.issubdtype(converted.dtype, jnp.floating)
         if floats != jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -293,7 +304,9 @@ def _read_array(
                 "architecture's weights; save the model's floating-point weights."
             )
         parts.append(converted)
-    return np.stack(parts) if stacked else parts[0]
+    if leading == 0:
+        return parts[0]
+    return np.stack(parts).reshape(leaf.shape[:leading] + want)
 
 
 def _convert(
@@ -360,8 +373,13 @@ def save(model: Any, path: str | Path) -> None:
                 parts = tuple(hosts[ours][layer] for ours in m.ours)
             else:
                 parts = tuple(to_host(arrays[f"{m.stack}.{layer}.{ours}"]) for ours in m.ours)
-            name = m.hf if layer is None else m.hf.format(i=layer)
-            tensors[name] = np.ascontiguousarray(m.to_hf(parts))
+            if not m.n_experts:
+                tensors[m.name(layer)] = np.ascontiguousarray(m.to_hf(parts))
+                continue
+            for e in range(m.n_experts):
+                tensors[m.name(layer, e)] = np.ascontiguousarray(
+                    m.to_hf(tuple(p[e] for p in parts))
+                )
     values = model.config.to_dict()
     values.pop("torch_dtype", None)
     values["dtype"] = str(next(iter(tensors.values())).dtype)

@@ -6,13 +6,20 @@ Projections are plain `eqx.nn.Linear` layers named like Hugging Face's
 `redcoast.nn.attention`, so the parallelisms act on the zoo as on any model built
 from those pieces.
 
-The decoder zoo (GPT-2, LLaMA, OPT, GPT-J) is these blocks arranged differently:
-`DecoderBlock` is serial (`x + attn(norm(x))`, then `x + mlp(norm(x))`) or, without
-a second norm, GPT-J's parallel `x + attn(h) + mlp(h)`. Attention has a cached path
-(`Attention.cached`) that writes keys and values into a `KVCache` for generation.
+The decoder zoo is these blocks arranged differently: `DecoderBlock` is serial
+(`x + attn(norm(x))`, then `x + mlp(norm(x))`), GPT-J's parallel `x + attn(h) +
+mlp(h)` without a second norm, or Gemma's with a norm after each part too. Attention
+takes grouped-query heads, a scaled rotation (`rope.RoPE`), a sliding window, per-head
+query/key norms and soft-capped scores, and has a cached path (`Attention.cached`)
+that writes keys and values into a `KVCache` for generation; the MLP is a plain one,
+a gated one (`SwiGLU`, GeGLU with another activation) or a mixture of experts
+(`moe.SparseMoE`).
 """
 
+import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -23,6 +30,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from ..nn import Implementation, Norm, attention, check_implementation, dense, normalise
 from .checks import check_range
+from .moe import SparseMoE
+from .rope import RoPE
+from .rope import rotate as rotate
 
 
 def gelu(x: Array) -> Array:
@@ -66,43 +76,6 @@ def activation(name: str) -> Callable[[Array], Array]:
     return ACTIVATIONS[name]
 
 
-def rotate(
-    x: Float[Array, "seq heads head_dim"],
-    positions: Real[Array, " seq"],
-    *,
-    rotary_dim: int,
-    base: float = 10000.0,
-    interleaved: bool = False,
-) -> Float[Array, "seq heads head_dim"]:
-    """Rotary position embedding (Su et al. 2021) on the first `rotary_dim` features of each head.
-
-    Args:
-        x: queries or keys, split into heads.
-        positions: the position of each token.
-        rotary_dim: how many features of each head rotate (GPT-J rotates part of a head).
-        base: the frequency base.
-        interleaved: rotate pairs `(0, 1), (2, 3), ...` (GPT-J) instead of the halves
-            `(i, i + rotary_dim / 2)` (GPT-NeoX, LLaMA).
-
-    Returns:
-        `x` with its first `rotary_dim` features rotated.
-    """
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    inv_freq = 1.0 / (base ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (seq, rotary_dim/2)
-    cos = jnp.cos(angles)[:, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, None, :].astype(x.dtype)
-    if interleaved:
-        even, odd = rot[..., 0::2], rot[..., 1::2]
-        rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-        rotated = rotated.reshape(rot.shape)
-    else:
-        half = rotary_dim // 2
-        first, second = rot[..., :half], rot[..., half:]
-        rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return jnp.concatenate([rotated, rest], axis=-1)
-
-
 class KVCache(eqx.Module):
     """Keys and values of one attention layer for the tokens seen so far.
 
@@ -114,11 +87,69 @@ class KVCache(eqx.Module):
     value: Float[Array, "*layers max_len kv_heads head_dim"]
 
 
+class OffsetRMSNorm(eqx.Module):
+    """RMSNorm scaled by `1 + weight` (Gemma): `x / rms(x) * (1 + weight)`, in float32.
+
+    The checkpoint stores `weight` (zeros at initialisation), and so does this module,
+    so that a round trip through `to_hf` gives back the very bits it read.
+
+    Example:
+        >>> norm = OffsetRMSNorm(32)
+        >>> apply_norm(norm, jnp.ones((10, 32))).shape
+        (10, 32)
+    """
+
+    weight: Float[Array, " features"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, features: int, *, eps: float = 1e-6):
+        self.weight = jnp.zeros((features,))
+        self.eps = eps
+
+    def as_rmsnorm(self) -> eqx.nn.RMSNorm:
+        """The same norm as a plain `eqx.nn.RMSNorm` whose scale is `1 + weight` (float32)."""
+        norm = eqx.nn.RMSNorm(self.weight.shape, eps=self.eps, use_bias=False)
+        return eqx.tree_at(lambda n: n.weight, norm, 1.0 + self.weight.astype(jnp.float32))
+
+
+AnyNorm = Norm | OffsetRMSNorm
+"""A norm of the zoo: `rc.nn`'s LayerNorm or RMSNorm, or Gemma's `OffsetRMSNorm`."""
+
+
+def apply_norm(
+    norm: AnyNorm, x: Float[Array, "*tokens features"]
+) -> Float[Array, "*tokens features"]:
+    """`rc.nn.normalise` for any norm of the zoo (a Gemma norm as its `1 + weight` RMSNorm)."""
+    return normalise(norm.as_rmsnorm() if isinstance(norm, OffsetRMSNorm) else norm, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """What may differ from one layer's attention to the next: its window and its rotation.
+
+    Attributes:
+        window: each query sees only the `window` most recent positions, its own
+            included (a sliding window); `None` for every earlier position.
+        rope: the rotation of queries and keys; `None` for none.
+    """
+
+    window: int | None = None
+    rope: RoPE | None = None
+
+
+PerLayer = LayerAttention | tuple[tuple[LayerAttention, ...], Int[Array, ""]]
+"""A layer's `LayerAttention`, or the distinct ones of a model and this layer's index
+among them (an array: scanned layers of different kinds pick theirs with `lax.switch`)."""
+
+
 class Attention(eqx.Module):
-    """Causal multi-head attention with grouped-query heads and optional rotary positions.
+    """Causal multi-head attention: grouped-query heads, rotary positions, sliding windows,
+    per-head query/key norms and soft-capped scores, each optional.
 
     Q, K and V are split into heads right after their projection, which is where the
-    sharding rules read the head count from.
+    sharding rules read the head count from. The rotation and window are the module's
+    own (`layer`) unless the call gives a layer's (`PerLayer`): models whose layers
+    differ (Gemma's local and global layers) pass each layer's at the call.
 
     Args:
         hidden_size: width of the input and output.
@@ -128,8 +159,14 @@ class Attention(eqx.Module):
         rotary_dim: features of each head rotated by RoPE; 0 for no rotary positions.
         rope_base: RoPE's frequency base (`rope_theta`).
         rope_interleaved: rotate pairs `(0, 1), (2, 3), ...` (GPT-J) instead of halves.
+        rope: a scaled rotation (`RoPE`), instead of `rotary_dim` and `rope_base`.
+        window: a sliding window (see `LayerAttention`).
         qkv_bias: Q, K and V projections have biases.
         out_bias: the output projection has a bias.
+        qk_norm: builds the norm of each query and key head over its `head_dim`
+            features, applied before the rotation (Qwen 3, Gemma 3); `None` for none.
+        scale: multiplies the scores; default `1 / sqrt(head_dim)`.
+        softcap: scores become `softcap * tanh(scores / softcap)` (Gemma 2).
         recompute_scores: keep only Q, K and V for the backward pass and compute the
             scores again there (remat's `"attention"` policy).
         implementation: how `rc.nn.attention` computes (`"auto"`, `"einsum"`,
@@ -146,12 +183,14 @@ class Attention(eqx.Module):
     k_proj: eqx.nn.Linear
     v_proj: eqx.nn.Linear
     o_proj: eqx.nn.Linear
+    q_norm: AnyNorm | None
+    k_norm: AnyNorm | None
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
-    rotary_dim: int = eqx.field(static=True)
-    rope_base: float = eqx.field(static=True)
-    rope_interleaved: bool = eqx.field(static=True)
+    layer: LayerAttention = eqx.field(static=True)
+    scale: float | None = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
     recompute_scores: bool = eqx.field(static=True)
     implementation: Implementation = eqx.field(static=True)
 
@@ -165,8 +204,13 @@ class Attention(eqx.Module):
         rotary_dim: int = 0,
         rope_base: float = 10000.0,
         rope_interleaved: bool = False,
+        rope: RoPE | None = None,
+        window: int | None = None,
         qkv_bias: bool = False,
         out_bias: bool = False,
+        qk_norm: Callable[[int], AnyNorm] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
         recompute_scores: bool = False,
         implementation: Implementation = "auto",
         key: PRNGKeyArray,
@@ -182,12 +226,16 @@ class Attention(eqx.Module):
         self.k_proj = eqx.nn.Linear(hidden_size, num_kv_heads * head_dim, use_bias=qkv_bias, key=kk)
         self.v_proj = eqx.nn.Linear(hidden_size, num_kv_heads * head_dim, use_bias=qkv_bias, key=kv)
         self.o_proj = eqx.nn.Linear(num_heads * head_dim, hidden_size, use_bias=out_bias, key=ko)
+        self.q_norm = None if qk_norm is None else qk_norm(head_dim)
+        self.k_norm = None if qk_norm is None else qk_norm(head_dim)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.rotary_dim = rotary_dim
-        self.rope_base = rope_base
-        self.rope_interleaved = rope_interleaved
+        if rope is None and rotary_dim:
+            rope = RoPE.default(rotary_dim, rope_base, interleaved=rope_interleaved)
+        self.layer = LayerAttention(window, rope)
+        self.scale = scale
+        self.softcap = softcap
         self.recompute_scores = recompute_scores
         self.implementation = check_implementation(implementation)
 
@@ -195,21 +243,30 @@ class Attention(eqx.Module):
         self,
         x: Float[Array, "seq hidden"],
         positions: Real[Array, " seq"] | None = None,
+        layer: PerLayer | None = None,
         segment_ids: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "seq hidden"]:
         """Attend causally within `x`, and within each document when `segment_ids` say
         which one each token belongs to; `positions` default to `0, 1, ..., seq - 1`."""
         pos = jnp.arange(x.shape[0]) if positions is None else positions
-        q, k, v = self._qkv(x, pos)
-        out = attention(
-            q,
-            k,
-            v,
-            causal=True,
-            segment_ids=segment_ids,
-            recompute=self.recompute_scores,
-            implementation=self.implementation,
-        )
+        q, k, v = self._qkv(x)
+
+        def attend(kind: LayerAttention, q: Array, k: Array, v: Array) -> Array:
+            q, k = self._rotate(kind, q, k, pos)
+            return attention(
+                q,
+                k,
+                v,
+                causal=True,
+                window=kind.window,
+                scale=self.scale,
+                softcap=self.softcap,
+                segment_ids=segment_ids,
+                recompute=self.recompute_scores,
+                implementation=self.implementation,
+            )
+
+        out = self._per_layer(layer, attend, q, k, v)
         return dense(self.o_proj, rearrange(out, "s h d -> s (h d)"))
 
     def cached(
@@ -218,6 +275,7 @@ class Attention(eqx.Module):
         positions: Real[Array, " seq"],
         cache: KVCache,
         index: Int[Array, ""] | int,
+        layer: PerLayer | None = None,
     ) -> tuple[Float[Array, "seq hidden"], KVCache]:
         """Attend from `x` to everything cached so far plus `x` itself, and cache `x`'s keys.
 
@@ -226,6 +284,7 @@ class Attention(eqx.Module):
             positions: their positions, for rotary embeddings.
             cache: keys and values of earlier tokens, in slots `[0, index)`.
             index: the slot of `x[0]`; `x` is written to slots `[index, index + seq)`.
+            layer: this layer's window and rotation, when not the module's own.
 
         Returns:
             The attention output and the cache with `x`'s keys and values written.
@@ -245,25 +304,54 @@ class Attention(eqx.Module):
             f"index (the cache slot of the first of {seq} new tokens)",
             f"the cache has {cache.key.shape[0]} slots; make it longer with init_cache(max_len).",
         )
-        q, k, v = self._qkv(x, positions)
-        keys = jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype), index, 0)
-        values = jax.lax.dynamic_update_slice_in_dim(
-            cache.value, v.astype(cache.value.dtype), index, 0
-        )
-        # Query t sits in slot index + t and sees slots up to its own; later slots are
-        # empty (zeros) and must not be attended to.
-        slots = jnp.arange(keys.shape[0])
-        visible = slots[None, :] <= (index + jnp.arange(seq))[:, None]
-        out = attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible)
-        return dense(self.o_proj, rearrange(out, "s h d -> s (h d)")), KVCache(keys, values)
+        q, k, v = self._qkv(x)
+
+        def attend(
+            kind: LayerAttention, q: Array, k: Array, v: Array, cache: KVCache
+        ) -> tuple[Array, KVCache]:
+            q, k = self._rotate(kind, q, k, positions)
+            keys = jax.lax.dynamic_update_slice_in_dim(
+                cache.key, k.astype(cache.key.dtype), index, 0
+            )
+            values = jax.lax.dynamic_update_slice_in_dim(
+                cache.value, v.astype(cache.value.dtype), index, 0
+            )
+            # Query t sits in slot index + t and sees slots up to its own (and, in a
+            # sliding window, the window's most recent ones); later slots are empty.
+            slots = jnp.arange(keys.shape[0])[None, :]
+            query = (index + jnp.arange(seq))[:, None]
+            visible = slots <= query
+            if kind.window is not None:
+                visible = visible & (slots > query - kind.window)
+            out = attention(
+                q,
+                keys.astype(q.dtype),
+                values.astype(q.dtype),
+                mask=visible,
+                scale=self.scale,
+                softcap=self.softcap,
+            )
+            return out, KVCache(keys, values)
+
+        out, cache = self._per_layer(layer, attend, q, k, v, cache)
+        return dense(self.o_proj, rearrange(out, "s h d -> s (h d)")), cache
 
     def init_cache(self, max_len: int, dtype: DTypeLike) -> KVCache:
         """An empty cache of `max_len` slots for this layer's keys and values."""
         shape = (max_len, self.num_kv_heads, self.head_dim)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
+    def _per_layer(self, layer: PerLayer | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(kind, *args)` with this layer's kind: a static one, or one picked at run time."""
+        if layer is None:
+            return fn(self.layer, *args)
+        if isinstance(layer, LayerAttention):
+            return fn(layer, *args)
+        kinds, which = layer
+        return jax.lax.switch(which, [functools.partial(fn, kind) for kind in kinds], *args)
+
     def _qkv(
-        self, x: Float[Array, "seq hidden"], positions: Real[Array, " seq"]
+        self, x: Float[Array, "seq hidden"]
     ) -> tuple[
         Float[Array, "seq heads head_dim"],
         Float[Array, "seq kv_heads head_dim"],
@@ -274,21 +362,17 @@ class Attention(eqx.Module):
         q = rearrange(dense(self.q_proj, x), "s (h d) -> s h d", h=self.num_heads)
         k = rearrange(dense(self.k_proj, x), "s (h d) -> s h d", h=self.num_kv_heads)
         v = rearrange(dense(self.v_proj, x), "s (h d) -> s h d", h=self.num_kv_heads)
-        if self.rotary_dim:
-            q = self._rotate(q, positions)
-            k = self._rotate(k, positions)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = apply_norm(self.q_norm, q), apply_norm(self.k_norm, k)
         return q, k, v
 
+    @staticmethod
     def _rotate(
-        self, x: Float[Array, "seq heads head_dim"], positions: Real[Array, " seq"]
-    ) -> Float[Array, "seq heads head_dim"]:
-        return rotate(
-            x,
-            positions,
-            rotary_dim=self.rotary_dim,
-            base=self.rope_base,
-            interleaved=self.rope_interleaved,
-        )
+        kind: LayerAttention, q: Array, k: Array, positions: Real[Array, " seq"]
+    ) -> tuple[Array, Array]:
+        if kind.rope is None:
+            return q, k
+        return kind.rope(q, positions), kind.rope(k, positions)
 
 
 class MLP(eqx.Module):
@@ -350,16 +434,21 @@ class SwiGLU(eqx.Module):
 
 
 class DecoderBlock(eqx.Module):
-    """A pre-norm decoder layer, serial or parallel.
+    """A pre-norm decoder layer, serial or parallel, with optional norms after each part.
 
     Serial (GPT-2, OPT, LLaMA): `x + attn(attn_norm(x))`, then `x + mlp(mlp_norm(x))`.
     Parallel (GPT-J, `mlp_norm=None`): `x + attn(h) + mlp(h)` with `h = attn_norm(x)`.
+    Gemma adds a norm after attention and after the MLP, inside each residual branch:
+    `x + post_attn_norm(attn(attn_norm(x)))`.
 
     Attributes:
         attn_norm: the norm before attention (and, in a parallel block, before the MLP).
         attn: the self-attention.
         mlp_norm: the norm before the MLP; `None` for a parallel block.
-        mlp: the feed-forward network.
+        mlp: the feed-forward network: an `MLP`, a `SwiGLU`, or a `SparseMoE` whose
+            router's logits `forward` returns.
+        post_attn_norm: the norm of attention's output, or `None`.
+        post_mlp_norm: the norm of the MLP's output, or `None`.
 
     Example:
         >>> k1, k2 = jax.random.split(jax.random.key(0))
@@ -368,10 +457,12 @@ class DecoderBlock(eqx.Module):
         >>> y, _ = block(jnp.ones((10, 32)), jnp.arange(10))
     """
 
-    attn_norm: Norm
+    attn_norm: AnyNorm
     attn: Attention
-    mlp_norm: Norm | None
-    mlp: MLP | SwiGLU
+    mlp_norm: AnyNorm | None
+    mlp: MLP | SwiGLU | SparseMoE
+    post_attn_norm: AnyNorm | None = None
+    post_mlp_norm: AnyNorm | None = None
 
     def __call__(
         self,
@@ -395,12 +486,43 @@ class DecoderBlock(eqx.Module):
             The new hidden states, and the cache with `x`'s keys and values written
             (`None` without a cache).
         """
-        h = normalise(self.attn_norm, x)
+        x, cache, _ = self.forward(x, positions, cache, index, segment_ids=segment_ids)
+        return x, cache
+
+    def forward(
+        self,
+        x: Float[Array, "seq hidden"],
+        positions: Real[Array, " seq"],
+        cache: KVCache | None = None,
+        index: Int[Array, ""] | int = 0,
+        layer: PerLayer | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
+    ) -> tuple[Float[Array, "seq hidden"], KVCache | None, Float[Array, "seq experts"] | None]:
+        """`__call__` with this layer's attention kind, also returning the router's logits.
+
+        Returns:
+            The new hidden states, the cache (or `None`), and the MoE router's logits
+            (`None` for a dense MLP).
+        """
+        h = apply_norm(self.attn_norm, x)
         if cache is None:
-            attn = self.attn(h, positions, segment_ids)
+            attn = self.attn(h, positions, layer, segment_ids)
         else:
-            attn, cache = self.attn.cached(h, positions, cache, index)
+            attn, cache = self.attn.cached(h, positions, cache, index, layer)
+        if self.post_attn_norm is not None:
+            attn = apply_norm(self.post_attn_norm, attn)
         if self.mlp_norm is None:
-            return x + attn + self.mlp(h), cache
+            y, router = self._mlp(h)
+            return x + attn + y, cache, router
         x = x + attn
-        return x + self.mlp(normalise(self.mlp_norm, x)), cache
+        y, router = self._mlp(apply_norm(self.mlp_norm, x))
+        if self.post_mlp_norm is not None:
+            y = apply_norm(self.post_mlp_norm, y)
+        return x + y, cache, router
+
+    def _mlp(
+        self, h: Float[Array, "seq hidden"]
+    ) -> tuple[Float[Array, "seq hidden"], Float[Array, "seq experts"] | None]:
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp.routed(h)
+        return self.mlp(h), None

@@ -18,6 +18,8 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .moe import load_balancing_loss
+
 ArrayLike = Array | np.ndarray
 
 
@@ -62,15 +64,24 @@ def next_token_nll(
                 f"shape {ids.shape}; give one per token."
             )
     # The model reads whole rows, a length that splits evenly over devices (context
-    # parallelism) and is the one the rows were made with; position t is scored on
-    # token t + 1, and the last position, which has no next token, counts for nothing.
+    # parallelism) and is the one the rows were made with.
     logits = jax.vmap(lambda ids, extra: model(ids, **extra))(ids, extra)
+    return _nll(logits, ids, loss_mask, extra.get("segment_ids"))
+
+
+def _nll(
+    logits: Float[Array, "batch seq vocab"],
+    ids: Int[Array, "batch seq"],
+    loss_mask: Bool[ArrayLike, "batch seq"] | None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
+    # Position t is scored on token t + 1, and the last position, which has no next
+    # token, counts for nothing.
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.roll(ids, -1, axis=1))
     counted = jnp.ones(ids.shape, bool) if loss_mask is None else jnp.asarray(loss_mask, bool)
     has_next = jnp.arange(ids.shape[1]) < ids.shape[1] - 1
-    if "segment_ids" in extra:  # a document's first token is not predicted from another's
-        seg = extra["segment_ids"]
-        has_next = has_next & (seg == jnp.roll(seg, -1, axis=1))
+    if segment_ids is not None:  # a document's first token is not predicted from another's
+        has_next = has_next & (segment_ids == jnp.roll(segment_ids, -1, axis=1))
     weight = (jnp.roll(counted, -1, axis=1) & has_next).astype(jnp.float32)
     return jnp.where(weight > 0, nll, 0.0).sum(-1), weight.sum(-1)
 
@@ -104,3 +115,39 @@ def lm_loss(
     )
     total = count.sum()
     return nll.sum() / jnp.maximum(total, 1.0), {"tokens": total}
+
+
+def moe_lm_loss(
+    model: Any,
+    batch: Mapping[str, Any],
+    key: PRNGKeyArray | None = None,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """`lm_loss` plus the routers' load-balancing loss of a mixture of experts: a `loss_fn`.
+
+    `lm_loss + router_aux_loss_coef * load_balancing_loss`, what `transformers`'
+    `MixtralForCausalLM` returns as its loss with `output_router_logits=True`. Every
+    token of the batch counts in the balance (a batch's `"attention_mask"`, when it
+    has one, says which), whatever its `loss_mask`.
+
+    Args:
+        model: a model with experts (`rc.models.Mixtral`, LoRA-adapted or not).
+        batch: as for `lm_loss`.
+        key: unused.
+
+    Returns:
+        `(loss, {"tokens": tokens counted, "aux_loss": the load-balancing loss})`.
+
+    Example:
+        >>> rc.fit(mixtral, opt, rows, collate_fn=rc.text.collate,
+        ...        loss_fn=rc.models.moe_lm_loss, ...)
+    """
+    del key
+    ids = jnp.asarray(batch["input_ids"])
+    extra = {k: jnp.asarray(batch[k]) for k in ("positions", "segment_ids") if k in batch}
+    logits, router = jax.vmap(lambda ids, extra: model.with_router_logits(ids, **extra))(ids, extra)
+    nll, count = _nll(logits, ids, batch.get("loss_mask"), extra.get("segment_ids"))
+    total = count.sum()
+    _, top_k = model.config.experts
+    aux = load_balancing_loss(router, top_k, batch.get("attention_mask"))
+    loss = nll.sum() / jnp.maximum(total, 1.0) + model.config.router_aux_loss_coef * aux
+    return loss, {"tokens": total, "aux_loss": aux}

@@ -7,12 +7,12 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import Norm, RematPolicy, check_remat
+from ..nn import RematPolicy, check_remat
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
-from .layers import MLP, Attention, DecoderBlock, activation
+from .layers import MLP, AnyNorm, Attention, DecoderBlock, activation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +93,7 @@ class OPT(AbstractCausalLM):
     embed_tokens: eqx.nn.Embedding
     embed_positions: eqx.nn.Embedding | None
     blocks: Blocks
-    norm: Norm
+    norm: AnyNorm
     lm_head: eqx.nn.Linear | None
     remat: RematPolicy = eqx.field(static=True)
 

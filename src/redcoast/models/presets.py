@@ -1,5 +1,7 @@
 """Named sizes of the zoo: the published configurations of GPT-2, LLaMA, GPT-J, OPT,
-BART and T5 (the original T5 1.0: `t5-xxl` is the 11B model).
+BART and T5 (the original T5 1.0: `t5-xxl` is the 11B model), and of today's
+checkpoints: Llama 3.1 8B, Llama 3.2 1B, Qwen 2.5 7B, Qwen 3 8B, Mistral 7B (v0.1,
+with its sliding window), Mixtral 8x7B, Gemma 2 9B and Phi-3 mini (4k).
 
 `preset("llama-7b")` gives the class and config of that model, as its
 `config.json` on the Hugging Face hub has them, so a model can be planned
@@ -11,11 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from .bart import BART, BARTConfig
+from .gemma import Gemma2, Gemma2Config
 from .gpt2 import GPT2, GPT2Config
 from .gptj import GPTJ, GPTJConfig
 from .hf import HFConfig
 from .llama import Llama, LlamaConfig
+from .mistral import Mistral, MistralConfig, Mixtral, MixtralConfig
 from .opt import OPT, OPTConfig
+from .phi3 import Phi3, Phi3Config
+from .qwen import Qwen2, Qwen2Config, Qwen3, Qwen3Config
 from .t5 import T5, T5Config
 
 
@@ -37,6 +43,139 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, positions: int = 20
         num_attention_heads=heads,
         max_position_embeddings=positions,
     )
+
+
+def _llama3(factor: float) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+# The hub's config.json of each, sizes and RoPE (token ids aside).
+_TODAY: dict[str, tuple[type[Any], HFConfig]] = {
+    "llama-3.1-8b": (
+        Llama,
+        LlamaConfig(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=_llama3(8.0),
+        ),
+    ),
+    "llama-3.2-1b": (
+        Llama,
+        LlamaConfig(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=_llama3(32.0),
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2.5-7b": (
+        Qwen2,
+        Qwen2Config(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=131072,
+            rope_theta=1000000.0,
+            sliding_window=131072,
+            max_window_layers=28,
+        ),
+    ),
+    "qwen3-8b": (
+        Qwen3,
+        Qwen3Config(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "mistral-7b": (
+        Mistral,
+        MistralConfig(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            sliding_window=4096,
+        ),
+    ),
+    "mixtral-8x7b": (
+        Mixtral,
+        MixtralConfig(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=32768,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.02,
+        ),
+    ),
+    "gemma-2-9b": (
+        Gemma2,
+        Gemma2Config(
+            vocab_size=256000,
+            hidden_size=3584,
+            intermediate_size=14336,
+            num_hidden_layers=42,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+        ),
+    ),
+    "phi-3-mini": (
+        Phi3,
+        Phi3Config(
+            vocab_size=32064,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=4096,
+            sliding_window=2047,
+        ),
+    ),
+}
 
 
 PRESETS: dict[str, tuple[type[Any], HFConfig]] = {
@@ -61,6 +200,7 @@ PRESETS: dict[str, tuple[type[Any], HFConfig]] = {
         T5,
         T5Config(d_model=1024, d_kv=128, d_ff=65536, num_layers=24, num_heads=128),
     ),
+    **_TODAY,
 }
 """Preset name -> (model class, config)."""
 
@@ -69,8 +209,8 @@ def preset(name: str) -> tuple[type[Any], HFConfig]:
     """The model class and config of a named size.
 
     Args:
-        name: one of `PRESETS` (`"gpt2-large"`, `"llama-7b"`, `"gpt-j-6b"`,
-            `"opt-13b"`, `"opt-66b"`, ...).
+        name: one of `PRESETS` (`"gpt2-large"`, `"llama-7b"`, `"opt-66b"`,
+            `"llama-3.1-8b"`, `"qwen3-8b"`, `"mixtral-8x7b"`, `"gemma-2-9b"`, ...).
 
     Returns:
         `(cls, config)`; build with `cls(config, key=key)` (or `sharded_init`).
