@@ -1,6 +1,7 @@
 """Sessions: `nox -s tests` (8 simulated CPU devices), `nox -s jax_matrix` (the oldest and
-newest supported Python and JAX), `nox -s slow`, `nox -s lint`, `nox -s multihost`,
-`nox -s bench`, `nox -s bench_peer`, `nox -s bench_maxtext`, `nox -s examples`."""
+newest supported Python and JAX), `nox -s slow`, `nox -s exhaustive`, `nox -s lint`,
+`nox -s multihost`, `nox -s bench`, `nox -s bench_peer`, `nox -s bench_maxtext`,
+`nox -s examples`."""
 
 from pathlib import Path
 
@@ -76,7 +77,21 @@ def slow(session: nox.Session) -> None:
         "transformers, gymnax, scikit-learn, libtpu (about 3 GB the first time; reused after)"
     )
     session.install("-e", ".[test,examples,hf,tpu]")
-    session.run("pytest", *WORKERS, "-m", "slow and not multihost", *session.posargs, env=SIMULATED)
+    session.run(
+        "pytest",
+        *WORKERS,
+        "-m",
+        "slow and not multihost and not exhaustive",
+        *session.posargs,
+        env=SIMULATED,
+    )
+
+
+@nox.session
+def exhaustive(session: nox.Session) -> None:
+    """The slow checks that `slow` runs on a few model families, on every one (about 25 min)."""
+    session.install("-e", ".[test,hf]")
+    session.run("pytest", *WORKERS, "-m", "exhaustive", *session.posargs, env=SIMULATED)
 
 
 @nox.session

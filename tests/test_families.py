@@ -38,6 +38,14 @@ SLOW = pytest.mark.slow
 WINDOW = 5
 IDS = np.random.default_rng(0).integers(2, VOCAB, (2, 12)).astype(np.int32)  # 12 > WINDOW
 NAMES = tuple(FAMILIES)
+# The slow checks run on four families in `nox -s slow` (the shared decoder, experts,
+# local/global layers with query/key norms, fused projections) and on every family
+# in `nox -s exhaustive`.
+EXHAUSTIVE = pytest.mark.exhaustive
+EACH = [
+    n if n in ("llama3", "mixtral", "gemma3", "phi3") else pytest.param(n, marks=EXHAUSTIVE)
+    for n in NAMES
+]
 
 
 def hf_config(name: str) -> Any:
@@ -199,7 +207,7 @@ def test_logits_and_to_hf_equal_transformers(checkpoints, name: str, tmp_path) -
 # Scanned layers of two kinds pick theirs with lax.switch (Qwen 2 and Gemma); their
 # stacked arrays are written back as the checkpoint's one tensor per layer.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EACH)
 def test_scanned_layers_equal_transformers_and_write_back(checkpoints, name: str, tmp_path) -> None:
     folder, hf_model = checkpoints(name)
     model = rc.models.from_hf(folder, scan_layers=True)
@@ -232,7 +240,7 @@ def hf_greedy(hf_model: Any, prompt: np.ndarray, n: int, eos: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EACH)
 def test_greedy_generation_equals_transformers(checkpoints, name: str) -> None:
     folder, hf_model = checkpoints(name)
     model = rc.models.from_hf(folder)
@@ -411,7 +419,7 @@ SPLITS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("split", list(SPLITS))
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EACH)
 def test_a_sharded_train_step_equals_one_device(name: str, split: str) -> None:
     options = dict(SPLITS[split])
     scan = split == "tp-fsdp"
@@ -444,15 +452,16 @@ def test_each_option_beside_the_split_equals_one_device(case: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "mistral"])
-def test_context_parallelism_refuses_windows_and_soft_caps_by_name(name: str) -> None:
-    # rc.nn.attention cannot split them yet; the error names what it cannot split.
-    mesh = rc.make_mesh(2)
-    with pytest.raises(ValueError, match="does not yet split attention with window"):
-        steps(build(name, scan_layers=True), mesh, context_parallel=True)
+def test_context_parallelism_splits_windows_and_soft_caps(name: str) -> None:
+    # The ring runs each layer's window and soft cap on the blocks it holds.
+    def make() -> Any:
+        return build(name, scan_layers=True)
+
+    assert_same(steps(make(), rc.make_mesh(2), context_parallel=True), steps(make()))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EACH)
 def test_bf16_remat_and_every_option_run_for_every_family(name: str) -> None:
     for remat in ("dots", "attention"):
         _, losses = steps(build(name, scan_layers=True, remat=remat), precision="bf16")
@@ -471,7 +480,7 @@ TARGETS = {
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EACH)
 def test_a_peft_adapter_round_trips_with_its_logits(checkpoints, name: str, tmp_path) -> None:
     peft = pytest.importorskip("peft")
     folder, hf_model = checkpoints(name)

@@ -163,7 +163,9 @@ def test_the_cli_names_the_hardware_and_hints_at_other_targets() -> None:
 @pytest.mark.slow
 def test_the_tpu_compiler_plans_a_step_for_a_v5e_8_slice() -> None:
     pytest.importorskip("libtpu", reason="the TPU compiler installs with redcoast[tpu]")
-    plan = rc.memory_plan(LLAMA, target="v5e-8", fsdp=True, seq_len=64, precision="bf16")
+    plan = rc.memory_plan(
+        LLAMA, target="v5e-8", fsdp=True, seq_len=64, precision="bf16", max_batch=False
+    )
     assert plan.target == "v5e-8" and plan.layout.devices == 8
     assert plan.device_memory == 16 * 2**30 and plan.fits
     cpu = rc.memory_plan(LLAMA, devices=8, fsdp=True, seq_len=64, precision="bf16")
@@ -185,7 +187,8 @@ def test_on_the_tpu_compiler_a_scanned_stack_is_estimated_as_the_unrolled_one() 
 
     unrolled = dataclasses.replace(scanned, build=unrolled_build)
     plans = [
-        rc.memory_plan(m, target="v5e-1", seq_len=64, precision="bf16") for m in (scanned, unrolled)
+        rc.memory_plan(m, target="v5e-1", seq_len=64, precision="bf16", max_batch=False)
+        for m in (scanned, unrolled)
     ]
     steps = [p.estimate for p in plans]
     assert steps[0] is not None and steps[1] is not None

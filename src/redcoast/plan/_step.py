@@ -33,7 +33,7 @@ from ..parallel._sharding_plan import ShardingPlan
 from ..parallel.mesh import DATA, make_mesh
 from ..parallel.sharding import sharding_plan
 from ..train.step import LossFn
-from ._flops import jaxpr_flops
+from ..train.throughput import matmul_flops
 from ._hlo import collective_bytes, cpu_float32_copies, loop_factor
 from ._report import Layout, LoRA
 
@@ -324,7 +324,7 @@ def compile_step(
         "params": _local_bytes(params),
         "opt_state": _local_bytes(state),
         "gradients": _local_bytes(trained),  # one gradient per trainable parameter
-        "flops": jaxpr_flops(jax.make_jaxpr(run)(params, state, batch, key_shape).jaxpr),
+        "flops": matmul_flops(jax.make_jaxpr(run)(params, state, batch, key_shape))[0],
         "tokens": rows * layout.seq_len * (1 if layout.preference is None else 2),
     }
     try:
