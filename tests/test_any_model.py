@@ -159,7 +159,14 @@ def test_lora_on_it_trains_the_adapters_alike_on_a_mesh():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("how", [{}, {"fsdp": True}, {"context_parallel": True}])
+@pytest.mark.parametrize(
+    "how",
+    [
+        {},
+        pytest.param({"fsdp": True}, marks=pytest.mark.slow),
+        pytest.param({"context_parallel": True}, marks=pytest.mark.slow),
+    ],
+)
 def test_the_planner_plans_it(how):
     plan = rc.memory_plan(
         lambda key: UserLM(key=key),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import redcoast as rc
+from redcoast.nn import _kernels
 
 
 def qkv(seq=12, heads=4, kv_heads=2, dim=8, seed=0):
@@ -237,11 +238,15 @@ def test_blockwise_keeps_no_score_matrix():
     assert temp("blockwise") < 0.1 * scores
 
 
-def test_auto_runs_blockwise_on_long_sequences_on_cpu_and_the_einsum_on_short():
+def test_auto_runs_the_einsum_on_cpu_and_blockwise_on_long_sequences_a_kernel_refuses(
+    monkeypatch,
+):
     def jaxpr(seq):
-        q = jnp.zeros((seq, 2, 8))
+        q = jnp.zeros((seq, 2, 8))  # float32: cuDNN's kernel refuses it
         return str(jax.make_jaxpr(lambda q: rc.nn.attention(q, q, q, causal=True))(q))
 
+    assert "while" not in jaxpr(1024)
+    monkeypatch.setattr(_kernels, "platform", lambda: "gpu")
     assert "while" in jaxpr(1024) and "while" not in jaxpr(512)
 
 

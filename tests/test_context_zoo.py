@@ -218,6 +218,7 @@ def compiled_step(n_devices: int, seq: int, context: bool) -> jax.stages.Compile
     return step.lower(model, state, batch, jax.random.key(0)).compile().compiled
 
 
+@pytest.mark.slow
 def test_the_step_passes_blocks_around_the_ring_and_keeps_a_fraction_of_the_activations():
     one = compiled_step(1, 1024, False).memory_analysis().temp_size_in_bytes
     compiled = compiled_step(8, 1024, True)

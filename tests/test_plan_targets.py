@@ -59,6 +59,7 @@ def test_a_scanned_layer_stack_moves_the_bytes_of_the_same_layers_unrolled() -> 
     assert compilers_scanned < 0.6 * compilers_unrolled < per_run < 2.5 * compilers_unrolled
 
 
+@pytest.mark.slow
 def test_a_gpu_plan_leaves_out_the_cpus_float32_copies_of_the_frozen_weights() -> None:
     options = {"devices": 1, "seq_len": 32, "lora_rank": 4, "precision": "bf16", "max_batch": False}
     cpu = rc.memory_plan(LLAMA, **options)
@@ -75,6 +76,7 @@ def test_a_gpu_plan_leaves_out_the_cpus_float32_copies_of_the_frozen_weights() -
     assert "float32 copies" in str(gpu) and "lower bound" in str(gpu)
 
 
+@pytest.mark.slow
 def test_a_dpo_plan_runs_both_answers_and_the_reference_without_its_adapters() -> None:
     options = {"devices": 2, "seq_len": 32, "lora_rank": 4, "max_batch": False}
     plain = rc.memory_plan(LLAMA, **options)

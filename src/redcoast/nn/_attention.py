@@ -57,8 +57,8 @@ def check_implementation(implementation: object) -> Implementation:
 
 
 LONG = 1024 * 1024
-"""Queries x keys from which `"auto"` leaves the einsum on CPU: a score matrix of one
-head at 1024 tokens."""
+"""Queries x keys from which `"auto"` runs blockwise on a GPU or TPU whose kernel does
+not apply: a score matrix of one head at 1024 tokens."""
 
 
 def _scores_softmax_values(
@@ -338,8 +338,8 @@ def _chosen(
     softcap: float | None,
     block_size: Any,
 ) -> str:
-    """What `"auto"` runs: the accelerator's kernel where it applies, else blockwise for
-    long sequences, else the einsum."""
+    """What `"auto"` runs: the accelerator's kernel where it applies, else on an
+    accelerator blockwise for long sequences, else the einsum."""
     if implementation != "auto":
         return implementation
     options = {
@@ -357,7 +357,7 @@ def _chosen(
     if platform == "tpu" and _kernels.pallas_refusal(q, k, v, **options) is None:
         return "pallas"
     seq, kv_seq = q.shape[-3], k.shape[-3]
-    if seq * kv_seq < LONG:
+    if platform not in ("gpu", "tpu") or seq * kv_seq < LONG:
         return "einsum"
     if block_size is None:
         q_block, kv_block = _blocks(None, seq, kv_seq)
@@ -413,7 +413,9 @@ def attention(
       parallelism): rows over `"data"`, heads over `"model"` where they divide.
     - `"auto"` (the default): cuDNN on GPU and Pallas on TPU where they apply (the
       platform of the step's mesh, else of `jax.default_device`, else JAX's default),
-      blockwise where `seq * kv_seq` reaches 1024 x 1024, the einsum below.
+      blockwise there where they do not and `seq * kv_seq` reaches 1024 x 1024, the
+      einsum below that and on CPU (the simulated devices the planner and the tests
+      compile for measure the einsum's program; ask for `"blockwise"` by name).
 
     Inside a step given context parallelism (`rc.ContextParallel`), causal attention
     with no mask or bias runs as `rc.context_parallel_attention` over the split
