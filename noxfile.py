@@ -89,7 +89,8 @@ def slow(session: nox.Session) -> None:
 
 @nox.session
 def exhaustive(session: nox.Session) -> None:
-    """The slow checks that `slow` runs on a few model families, on every one (about 25 min)."""
+    """The slow checks `slow` runs on two model families and 4 devices, on every family
+    and on 2 and 8 devices too (about 30 min)."""
     session.log("installing redcoast with its test and hf extras: PyTorch (CPU), transformers")
     session.install("-e", ".[test,hf]")
     session.run("pytest", *WORKERS, "-m", "exhaustive", *session.posargs, env=SIMULATED)

@@ -75,8 +75,15 @@ def value_and_grads(fn, q, k, v, cotangent):
     return out, grads
 
 
-# One case of each strategy runs with the fast tests; the whole grid with nox -s slow.
+# One case of each strategy runs with the fast tests, the grid on 4 devices with
+# `nox -s slow`, and on 2 and 8 too with `nox -s exhaustive`.
 _FAST = {("ring", True, True, 4), ("all_gather", True, True, 2)}
+
+
+def _later(n: int) -> tuple[pytest.MarkDecorator, ...]:
+    return (pytest.mark.slow,) if n == 4 else (pytest.mark.slow, pytest.mark.exhaustive)
+
+
 _GRID = [
     pytest.param(
         strategy,
@@ -84,7 +91,7 @@ _GRID = [
         causal,
         n,
         id=f"{strategy}-{'padding' if padded else 'no-mask'}-{'causal' if causal else 'full'}-{n}",
-        marks=() if (strategy, padded, causal, n) in _FAST else pytest.mark.slow,
+        marks=() if (strategy, padded, causal, n) in _FAST else _later(n),
     )
     for strategy in ("ring", "all_gather")
     for padded in (False, True)
@@ -336,7 +343,7 @@ _RING_GRID = [
         n,
         block,
         id=f"{options}-{strategy}-{n}-block{block}",
-        marks=() if (options, strategy, n, block) in {("all", "ring", 4, 4)} else pytest.mark.slow,
+        marks=() if (options, strategy, n, block) == ("all", "ring", 4, 4) else _later(n),
     )
     for options in _RING_OPTIONS
     for strategy in ("ring", "all_gather")

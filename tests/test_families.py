@@ -38,14 +38,10 @@ SLOW = pytest.mark.slow
 WINDOW = 5
 IDS = np.random.default_rng(0).integers(2, VOCAB, (2, 12)).astype(np.int32)  # 12 > WINDOW
 NAMES = tuple(FAMILIES)
-# The slow checks run on four families in `nox -s slow` (the shared decoder, experts,
-# local/global layers with query/key norms, fused projections) and on every family
-# in `nox -s exhaustive`.
+# The slow checks run on two families in `nox -s slow` (experts; local/global layers
+# with query/key norms) and on every family in `nox -s exhaustive`.
 EXHAUSTIVE = pytest.mark.exhaustive
-EACH = [
-    n if n in ("llama3", "mixtral", "gemma3", "phi3") else pytest.param(n, marks=EXHAUSTIVE)
-    for n in NAMES
-]
+EACH = [n if n in ("mixtral", "gemma3") else pytest.param(n, marks=EXHAUSTIVE) for n in NAMES]
 
 
 def hf_config(name: str) -> Any:
