@@ -435,7 +435,9 @@ OPTIONS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(OPTIONS))
+@pytest.mark.parametrize(
+    "case", [c if "moe" not in c else pytest.param(c, marks=EXHAUSTIVE) for c in OPTIONS]
+)
 def test_each_option_beside_the_split_equals_one_device(case: str) -> None:
     name, options, n_model = OPTIONS[case]
     remat = "full" if case.startswith("remat") else "none"
@@ -457,7 +459,8 @@ def test_context_parallelism_splits_windows_and_soft_caps(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", EACH)
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name", NAMES)
 def test_bf16_remat_and_every_option_run_for_every_family(name: str) -> None:
     for remat in ("dots", "attention"):
         _, losses = steps(build(name, scan_layers=True, remat=remat), precision="bf16")
