@@ -166,15 +166,21 @@ def test_the_cli_names_the_hardware_and_hints_at_other_targets() -> None:
 def test_the_tpu_compiler_plans_a_step_for_a_v5e_8_slice() -> None:
     pytest.importorskip("libtpu", reason="the TPU compiler installs with redcoast[tpu]")
     plan = rc.memory_plan(
-        LLAMA, target="v5e-8", fsdp=True, seq_len=64, precision="bf16", max_batch=False
+        LLAMA, target="v5e-8", fsdp=True, seq_len=128, precision="bf16", max_batch=False
     )
     assert plan.target == "v5e-8" and plan.layout.devices == 8
     assert plan.device_memory == 16 * 2**30 and plan.fits
-    cpu = rc.memory_plan(LLAMA, devices=8, fsdp=True, seq_len=64, precision="bf16")
+    cpu = rc.memory_plan(LLAMA, devices=8, fsdp=True, seq_len=128, precision="bf16")
     # The same step, another compiler: the same parameters per device, its own temporaries.
     assert plan.params == cpu.params and plan.peak != cpu.peak
     assert plan.estimate is not None and plan.estimate.flops_per_device > 0
     assert "of v5e-8" in str(plan)
+    # 128 tokens: attention runs the Pallas kernel, under a shard_map over the step's
+    # mesh also where no part of the split names one (data parallelism of LoRA).
+    lora = rc.memory_plan(
+        LLAMA, target="v5e-8", seq_len=128, precision="bf16", lora_rank=4, max_batch=False
+    )
+    assert lora.fits and lora.estimate is not None
 
 
 @pytest.mark.slow

@@ -229,10 +229,9 @@ def _splash_rows(
     return jax.vmap(row)(q, k, v, q_seg, kv_seg)
 
 
-def _sharded(fn: Any, q: Array, k: Array, *rest: Any) -> Any:
-    """`fn(q, k, *rest)` under `jax.shard_map` over the active mesh: rows over `"data"`,
-    heads over `"model"`, where they divide; `fn` itself without a mesh."""
-    mesh = active_mesh()
+def _sharded(fn: Any, mesh: Mesh | None, q: Array, k: Array, *rest: Any) -> Any:
+    """`fn(q, k, *rest)` under `jax.shard_map` over `mesh`: rows over `"data"`, heads
+    over `"model"`, where they divide; `fn` itself without a mesh."""
     if mesh is None:
         return fn(q, k, *rest)
     shape = dict(mesh.shape)
@@ -288,22 +287,24 @@ def _splash_op(
     softcap: float | None,
     scale: float,
     blocks: tuple[int, int],
+    mesh: Mesh | None,
 ) -> Any:
     """The kernel as a function of rows `(q, k, v, q_seg, kv_seg)`, with a VJP and a
-    vmap rule; one per static configuration."""
+    vmap rule; one per static configuration. `mesh` is read when the op is made: JAX
+    may trace its parts again later (remat), outside the step's active context."""
     rows = functools.partial(
         _splash_rows, causal=causal, window=window, softcap=softcap, scale=scale, blocks=blocks
     )
 
     def forward(q: Array, k: Array, v: Array, q_seg: Any, kv_seg: Any) -> Array:
-        return _sharded(rows, q, k, v, q_seg, kv_seg)
+        return _sharded(rows, mesh, q, k, v, q_seg, kv_seg)
 
     def backward(q: Array, k: Array, v: Array, q_seg: Any, kv_seg: Any, g: Array) -> Any:
         def local(q: Array, k: Array, v: Array, q_seg: Any, kv_seg: Any, g: Array) -> Any:
             pullback = jax.vjp(lambda q, k, v: rows(q, k, v, q_seg, kv_seg), q, k, v)[1]
             return pullback(g)
 
-        return _sharded(local, q, k, v, q_seg, kv_seg, g)
+        return _sharded(local, mesh, q, k, v, q_seg, kv_seg, g)
 
     forward_rows, backward_rows = _with_rows(forward), _with_rows(backward)
 
@@ -348,5 +349,5 @@ def pallas(
     flat = lambda x: None if x is None else x.reshape(-1, *x.shape[-3:])  # noqa: E731
     q_seg = None if segment_ids is None else segment_ids.reshape(-1, seq)
     kv_seg = q_seg if kv_segment_ids is None else kv_segment_ids.reshape(-1, kv_seq)
-    op = _splash_op(causal, window, softcap, scale_of(q.shape[-1], scale), blocks)
+    op = _splash_op(causal, window, softcap, scale_of(q.shape[-1], scale), blocks, active_mesh())
     return op(flat(q), flat(k), flat(v), q_seg, kv_seg).reshape(q.shape)

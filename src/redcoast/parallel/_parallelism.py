@@ -147,14 +147,18 @@ class Parallelism:
         return None
 
     @contextlib.contextmanager
-    def applied(self, model: PyTree, batch: PyTree = None) -> Iterator[tuple[PyTree, PyTree]]:
+    def applied(
+        self, model: PyTree, batch: PyTree = None, *, mesh: Mesh | None = None
+    ) -> Iterator[tuple[PyTree, PyTree]]:
         """Active around the user's function: `with p.applied(model, batch) as (model, batch):`.
 
         Yields the model with its sequence-parallel projections wrapped and the batch
         with its sequences split (context parallelism); inside the block,
         `fsdp.layouts` finds `model`'s data-split weights and `nn.attention` splits
         the sequence. Call it where the function receives the model it runs, after
-        any cast: the weights are known by the arrays `model` holds.
+        any cast: the weights are known by the arrays `model` holds. `mesh`, the
+        step's own, is the one attention kernels run over (`nn.attention`'s
+        `"pallas"` under `shard_map`) when no part of the split names one.
 
         Raises:
             ValueError: under context parallelism, the block ran no attention through
@@ -166,7 +170,7 @@ class Parallelism:
             model = self.sequence.apply(model)
         if self.context is not None:
             batch = self.context.constrain(batch)
-        active = _active.Active(gathers, self.context, self.mesh)
+        active = _active.Active(gathers, self.context, self.mesh or mesh)
         with _active.activated(active):
             yield model, batch
         if self.context is not None and active.attention_calls == 0:

@@ -271,7 +271,7 @@ def _train_core(
             compute = eqx.combine(for_compute(p, precision), frozen_compute, static)
             # Applied here, so gradients keep the model's structure (sequence
             # parallelism wraps projections) and FSDP knows the arrays loss_fn sees.
-            with parallelism.applied(compute, b) as (compute, b):
+            with parallelism.applied(compute, b, mesh=mesh) as (compute, b):
                 return split_loss(loss_fn(compute, b, k), b)
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
