@@ -122,6 +122,11 @@ def test_the_step_estimate_is_a_roofline_of_the_targets_figures() -> None:
     assert step.tokens_per_second == pytest.approx(4096 / 1.1)
     assert step.mfu == pytest.approx(6 * 10**9 * 4096 / (2 * 989e12 * 1.1))
     assert "compute-bound" in str(step)
+    # Frozen weights need no weight gradients: 4 of the 6 FLOPs per parameter and token.
+    frozen = _targets.estimate(h100, **{**_estimate_args(), "n_params": 10, "n_trainable": 0})
+    whole = _targets.estimate(h100, **{**_estimate_args(), "n_params": 10})
+    assert frozen is not None and whole is not None
+    assert frozen.mfu == pytest.approx(whole.mfu * 4 / 6)
     assert _targets.estimate(_targets.target_named("cpu"), **_estimate_args()) is None
 
 

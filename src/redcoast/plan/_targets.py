@@ -164,9 +164,11 @@ class StepEstimate:
         memory: seconds of memory traffic at full bandwidth.
         communication: seconds of collectives over the interconnect.
         tokens_per_second: tokens of the global batch over `seconds`.
-        mfu: model FLOPs utilisation at `seconds`: 6 x parameters x tokens (the
-            model's own FLOPs, without recomputation or attention) over the slice's
-            peak FLOP/s.
+        mfu: model FLOPs utilisation at `seconds`: the FLOPs the model itself needs
+            (2 x parameters x tokens forward, as much again for the inputs'
+            gradients, and 2 x trainable parameters x tokens for the weights'; 6NT
+            for a full fine-tune, less with frozen weights; no recomputation or
+            attention) over the slice's peak FLOP/s.
         flops_per_device: FLOPs of one device's step, recomputation included.
         bytes_per_device: bytes one device reads and writes in a step.
     """
@@ -199,6 +201,7 @@ def estimate(
     collective_bytes: int,
     tokens: int,
     n_params: int,
+    n_trainable: int | None = None,
 ) -> StepEstimate | None:
     """The step-time estimate of a compiled step on `target`, or None without its figures.
 
@@ -210,6 +213,7 @@ def estimate(
         collective_bytes: bytes collectives produce on one device, loops counted.
         tokens: tokens of the global batch.
         n_params: the model's parameters.
+        n_trainable: those that get gradients (default: all).
     """
     if target.flops is None or target.bandwidth is None:
         return None
@@ -218,13 +222,15 @@ def estimate(
     memory = bytes_per_device / target.bandwidth
     communication = collective_bytes / target.interconnect if target.interconnect else 0.0
     seconds = max(compute, memory) + communication
+    trainable = n_params if n_trainable is None else n_trainable
+    model_flops = (4 * n_params + 2 * trainable) * tokens
     return StepEstimate(
         seconds=seconds,
         compute=compute,
         memory=memory,
         communication=communication,
         tokens_per_second=tokens / seconds,
-        mfu=6 * n_params * tokens / (devices * target.flops * seconds),
+        mfu=model_flops / (devices * target.flops * seconds),
         flops_per_device=per_device,
         bytes_per_device=bytes_per_device,
     )

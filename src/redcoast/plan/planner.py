@@ -185,6 +185,7 @@ def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan
             collective_bytes=found.collective_bytes,
             tokens=found.tokens,
             n_params=found.n_params,
+            n_trainable=n_trainable,
         )
     )
     return MemoryPlan(
