@@ -131,6 +131,7 @@ def test_sequence_parallelism_on_it_equals_one_device():
     assert_same(got, want)
 
 
+@pytest.mark.slow
 def test_context_parallelism_on_it_equals_one_device():
     # Rows of 16 tokens, each split over the 4 data shards of a 4 x 2 mesh.
     want = two_steps(UserLM(key=jax.random.key(0)), loss=whole_rows_loss, lengths=16)

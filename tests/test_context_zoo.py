@@ -189,6 +189,7 @@ def test_a_users_model_with_its_own_split_attention_equals_one_device() -> None:
     assert_same(got, want)
 
 
+@pytest.mark.slow
 def test_evaluation_and_prediction_equal_them_without_the_split() -> None:
     mesh = rc.make_mesh(2)
     batch = {"input_ids": jnp.asarray(ROWS[:2])}

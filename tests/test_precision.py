@@ -329,6 +329,7 @@ def test_policies_reject_parameters_of_the_wrong_dtype_and_unknown_names():
         rc.predict_step(lm_loss, precision="fp16")
 
 
+@pytest.mark.slow
 def test_zoo_computes_norms_and_softmax_in_float32_and_returns_float32_logits():
     for model in (GPT2(TINY, key=jax.random.key(0)), Llama(TINY_LLAMA, key=jax.random.key(0))):
         half = rc.cast(model, jnp.bfloat16)

@@ -171,6 +171,7 @@ def test_sequence_parallel_with_fsdp_equals_the_unsharded_step() -> None:
     assert_same(got, want)
 
 
+@pytest.mark.slow
 def test_keeping_the_gathered_inputs_gives_the_same_step() -> None:
     want = steps(zoo("llama", True), lm_loss, None)
     got = steps(zoo("llama", True), lm_loss, rc.make_mesh(4), sequence_parallel="keep gathered")
@@ -210,6 +211,7 @@ def test_where_the_split_comes_from_the_placement() -> None:
     np.testing.assert_allclose(split.apply(model)(x), model(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_program_gathers_activations_and_keeps_fewer_bytes() -> None:
     mesh = rc.make_mesh(4)
     batch = jax.device_put({"ids": IDS}, NamedSharding(mesh, P("data")))
