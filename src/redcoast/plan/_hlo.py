@@ -110,8 +110,8 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
 def multipliers(text: str, *, own_bodies: bool = False) -> dict[str, int]:
     """How many times each computation runs per run of the program.
 
-    A `while`'s body and condition run its `known_trip_count` times (once when XLA
-    does not know it); fusions, calls and reductions run once per use. With
+    A `while`'s body and condition run as often as the loop does (`_trip_count`);
+    fusions, calls and reductions run once per use. With
     `own_bodies`, only the computations whose instructions run one by one: the
     entry, loop bodies and conditions, branches and calls (not what is fused into or
     applied by one instruction).
