@@ -129,6 +129,23 @@ class _Examples(click.Group):
             formatter.write_dl(rows)
 
 
+# Options the demo and `redcoast pretrained` share.
+_DEVICES = click.option(
+    "--devices",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Simulated CPU devices.",
+)
+_SHARDS = click.option(
+    "--n-model-shards",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Tensor-parallel shards.",
+)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="redcoast")
 def main() -> None:
@@ -136,20 +153,8 @@ def main() -> None:
 
 
 @main.command()
-@click.option(
-    "--devices",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Simulated CPU devices.",
-)
-@click.option(
-    "--n-model-shards",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Tensor-parallel shards.",
-)
+@_DEVICES
+@_SHARDS
 @click.option(
     "--max-steps",
     type=click.IntRange(min=1),
@@ -203,20 +208,8 @@ def demo(
     show_default=True,
     help="Optimizer steps of pretraining.",
 )
-@click.option(
-    "--devices",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Simulated CPU devices.",
-)
-@click.option(
-    "--n-model-shards",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Tensor-parallel shards.",
-)
+@_DEVICES
+@_SHARDS
 def pretrained(folder: str, steps: int, devices: int, n_model_shards: int) -> None:
     """Make a small pretrained GPT-2 and its tokenizer in FOLDER (checkpoints/gpt2), offline.
 

@@ -318,17 +318,18 @@ def compile_step(
 
     key_shape = jax.eval_shape(lambda: key)
     start = time.perf_counter()
-    lowered = jax.jit(run, donate_argnums=(0, 1)).lower(params, state, batch, key_shape)
+    # Traced once: the jaxpr counts the FLOPs, its lowering is compiled.
+    traced = jax.jit(run, donate_argnums=(0, 1)).trace(params, state, batch, key_shape)
     common = {
         "n_params": sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)),
         "params": _local_bytes(params),
         "opt_state": _local_bytes(state),
         "gradients": _local_bytes(trained),  # one gradient per trainable parameter
-        "flops": matmul_flops(jax.make_jaxpr(run)(params, state, batch, key_shape))[0],
+        "flops": matmul_flops(traced.jaxpr)[0],
         "tokens": rows * layout.seq_len * (1 if layout.preference is None else 2),
     }
     try:
-        compiled = lowered.compile()
+        compiled = traced.lower().compile()
     except jax.errors.JaxRuntimeError as err:
         # The TPU compiler refuses a program larger than the chip, saying by how much.
         temp = _refused_temporaries(str(err))
@@ -345,7 +346,12 @@ def compile_step(
             cpu_copies=0,
             refused=str(err).split("\n")[0],
         )
-    seconds = time.perf_counter() - start
+    on_cpu = devices[0].platform == "cpu"
+    return _measured(compiled, common, time.perf_counter() - start, on_cpu=on_cpu)
+
+
+def _measured(compiled: Any, common: dict[str, Any], seconds: float, *, on_cpu: bool) -> Measured:
+    """`Measured` from a compiled step: its memory, bytes, collectives and copies."""
     stats = compiled.memory_analysis()
     if stats is None:
         raise RuntimeError(f"XLA gave no memory analysis for {jax.default_backend()}.")
@@ -353,7 +359,6 @@ def compile_step(
     outputs = int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes)
     text = compiled.as_text() or ""
     cost = _cost_analysis(compiled)
-    on_cpu = devices[0].platform == "cpu"
     return Measured(
         **common,
         temporaries=temp,
