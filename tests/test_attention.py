@@ -1,5 +1,9 @@
 """`rc.nn.attention`: its options against attention written out by hand."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,3 +268,29 @@ def test_a_kernel_or_block_that_does_not_fit_is_refused_naming_why():
         rc.nn.check_implementation("flash")  # what attention and the zoo's Attention check
     with pytest.raises(ValueError, match=r"a mask of shape \(3, 128\) does not fit"):
         rc.nn.attention(q, q, q, mask=jnp.ones((3, 128), bool), implementation="blockwise")
+
+
+@pytest.mark.slow
+def test_a_users_process_checks_the_shapes_of_attentions_arguments():
+    """Outside the tests' jaxtyping hook: the check is the library's, not pytest's."""
+    script = (
+        "import jax.numpy as jnp, redcoast as rc\n"
+        "q, k = jnp.ones((2, 16, 4, 8)), jnp.ones((2, 16, 2, 8))\n"
+        "try:\n"
+        "    rc.nn.attention(q, k, jnp.ones((2, 16, 2, 4)), causal=True)\n"
+        "except TypeError as e:\n"
+        "    print(type(e).__name__, str(e).splitlines()[1])\n"
+        "print(rc.nn.attention(q, k, k, causal=True, scale=1).shape)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "TypeCheckError The problem arose whilst typechecking parameter 'v'."
+    # An int scale passes where the annotation says float (PEP 484's numeric tower).
+    assert lines[1] == "(2, 16, 4, 8)"

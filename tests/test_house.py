@@ -1,6 +1,8 @@
 """The package's structure: the framework knows no model, and the zoo is one of its users."""
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 import redcoast
@@ -55,3 +57,18 @@ def test_the_direction_test_sees_an_import_of_the_zoo() -> None:
     } <= names
     deeper = {name for _, name in _imports("from ..models import hf", "redcoast/train/fit.py")}
     assert "redcoast.models.hf" in deeper
+
+
+def test_every_runtime_dependency_is_imported_by_the_library() -> None:
+    """What `pip install redcoast` brings, the library uses: a package only the tests
+    use belongs in the `test` extra."""
+    pyproject = PACKAGE.parent.parent / "pyproject.toml"
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower() for d in dependencies}
+    imported = set()
+    for path in PACKAGE.rglob("*.py"):
+        module_path = str(path.relative_to(PACKAGE.parent))
+        imported |= {name.split(".")[0] for _, name in _imports(path.read_text(), module_path)}
+    # `rc.text` imports tokenizers lazily, by name (`_import("tokenizers")`).
+    imported |= set(re.findall(r'_import\("(\w+)"\)', (PACKAGE / "text/_tokenizer.py").read_text()))
+    assert names - imported == set()

@@ -3,8 +3,17 @@
 from typing import Any
 
 import numpy as np
+from beartype import BeartypeConf, beartype
+from jaxtyping import jaxtyped
 
-__all__ = ["check_positive"]
+__all__ = ["check_positive", "typechecked"]
+
+typechecked = jaxtyped(typechecker=beartype(conf=BeartypeConf(is_pep484_tower=True)))
+"""Check a public function's arguments against its annotations when it is called:
+jaxtyping's array shapes and dtypes (`Float[Array, "*batch seq heads head_dim"]`: the
+dimensions named alike agree across the arguments) and beartype's types, an int
+passing for a float (PEP 484's numeric tower). Called inside `jit`, the check runs
+once per trace on the abstract shapes."""
 
 
 def check_positive(name: str, value: Any, *, optional: bool = True) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from einops import repeat
 from jaxtyping import Array, Bool, Float, Int
 
+from .._checks import typechecked
 from ..parallel import _active
 from . import _blockwise, _kernels
 from ._remat import recomputed
@@ -260,12 +261,6 @@ def _check(
     implementation: str,
 ) -> None:
     check_implementation(implementation)
-    if q.ndim < 3 or k.ndim != q.ndim or v.shape[:-1] != k.shape[:-1]:
-        raise ValueError(
-            "attention: q must be (*batch, seq, heads, head_dim) and k, v (*batch, kv_seq, "
-            f"kv_heads, head_dim) with the same batch dimensions; got q {q.shape}, k "
-            f"{k.shape}, v {v.shape}."
-        )
     heads, kv_heads = q.shape[-2], k.shape[-2]
     if heads % kv_heads:
         raise ValueError(
@@ -282,16 +277,6 @@ def _check(
         raise ValueError(
             f"attention: window={window!r} is a sliding window over the past: it needs "
             "causal=True and a positive number of positions."
-        )
-    if segment_ids is not None and segment_ids.shape != q.shape[:-2]:
-        raise ValueError(
-            f"attention: segment_ids of shape {segment_ids.shape} do not match the queries "
-            f"q {q.shape}: give one segment id per query token, shape {q.shape[:-2]}."
-        )
-    if kv_segment_ids is not None and kv_segment_ids.shape != k.shape[:-2]:
-        raise ValueError(
-            f"attention: kv_segment_ids of shape {kv_segment_ids.shape} do not match the "
-            f"keys k {k.shape}: give one segment id per key, shape {k.shape[:-2]}."
         )
     if segment_ids is None and kv_segment_ids is not None:
         raise ValueError("attention: kv_segment_ids needs the queries' segment_ids too.")
@@ -366,6 +351,7 @@ def _chosen(
     return "blockwise"
 
 
+@typechecked
 def attention(
     q: Float[Array, "*batch seq heads head_dim"],
     k: Float[Array, "*batch kv_seq kv_heads head_dim"],
@@ -374,8 +360,8 @@ def attention(
     causal: bool = False,
     mask: Bool[Array, "..."] | None = None,
     window: int | None = None,
-    segment_ids: Int[Array, "..."] | None = None,
-    kv_segment_ids: Int[Array, "..."] | None = None,
+    segment_ids: Int[Array, "*batch seq"] | None = None,
+    kv_segment_ids: Int[Array, "*batch kv_seq"] | None = None,
     bias: Float[Array, "..."] | None = None,
     scale: float | None = None,
     softcap: float | None = None,
@@ -452,8 +438,12 @@ def attention(
         The attention output, shaped as `q`.
 
     Raises:
+        jaxtyping.TypeCheckError: arrays whose shapes disagree with the annotations
+            (`q`, `k`, `v` with other batch dimensions or `head_dim`s, segment ids
+            not one per token), or an argument of the wrong type; the message names
+            the argument and the sizes bound so far.
         ValueError: heads that do not group, `causal` with `seq != kv_seq`, a
-            `window` without `causal`, segment ids, a mask or a bias whose shape does
+            `window` without `causal`, a mask or a bias whose shape does
             not fit `q` and `k`, a block size that does not divide the sequence, an
             option the implementation asked for does not take (naming one that
             does), or, under context parallelism, an option it cannot split.

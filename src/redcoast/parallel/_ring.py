@@ -46,6 +46,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from .._checks import typechecked
 from ..nn._blockwise import (
     LOWEST,
     Blocks,
@@ -255,8 +256,6 @@ def _check(
     segment_ids: Array | None = None,
     kv_segment_ids: Array | None = None,
 ) -> None:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis not in mesh.axis_names:
         raise ValueError(
             f"axis={axis!r} is not an axis of this mesh, whose axes are "
@@ -264,21 +263,7 @@ def _check(
             "or build a mesh with one, e.g. jax.make_mesh((n,), ('seq',), "
             "axis_types=(jax.sharding.AxisType.Auto,))."
         )
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    if q.ndim < 3 or k.ndim != q.ndim or v.shape != k.shape:
-        raise ValueError(
-            "q must be (*batch, seq, heads, head_dim) and k, v (*batch, kv_seq, kv_heads, "
-            f"head_dim) with the same batch dimensions; got q {q.shape}, k {k.shape}, "
-            f"v {v.shape}."
-        )
-    batch, (seq, heads, head_dim) = q.shape[:-3], q.shape[-3:]
-    kv_seq, kv_heads, kv_dim = k.shape[-3:]
-    if k.shape[:-3] != batch or kv_dim != head_dim:
-        raise ValueError(
-            f"k and v must be (*batch, kv_seq, kv_heads, head_dim) = {(*batch, '...', head_dim)} "
-            f"to match q {q.shape}; got {k.shape}."
-        )
+    batch, (seq, heads), (kv_seq, kv_heads) = q.shape[:-3], q.shape[-3:-1], k.shape[-3:-1]
     if heads % kv_heads:
         raise ValueError(
             f"q has {heads} heads, which is not a multiple of k and v's {kv_heads} heads; "
@@ -305,22 +290,14 @@ def _check(
                 f"mask must be a key padding mask of shape (*batch, kv_seq) = {expected} "
                 f"(True or 1 for a key to attend to); got shape {mask.shape}."
             )
-        if not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.integer)):
-            raise TypeError(f"mask must hold booleans or integers (1 = attend), got {mask.dtype}.")
     if window is not None and (not causal or window < 1):
         raise ValueError(
             f"window={window!r} is a sliding window over the past: it needs causal=True "
             "and a positive number of positions."
         )
-    if segment_ids is not None and segment_ids.shape != q.shape[:-2]:
+    if kv_segment_ids is not None and segment_ids is None:
         raise ValueError(
-            f"segment_ids of shape {segment_ids.shape} do not match the queries q "
-            f"{q.shape}: give one segment id per query token, shape {q.shape[:-2]}."
-        )
-    if kv_segment_ids is not None and (segment_ids is None or kv_segment_ids.shape != k.shape[:-2]):
-        raise ValueError(
-            f"kv_segment_ids of shape {kv_segment_ids.shape} must come with the queries' "
-            f"segment_ids and match the keys k {k.shape}: shape {k.shape[:-2]}."
+            "kv_segment_ids (the keys' documents) must come with the queries' segment_ids."
         )
     if segment_ids is not None and kv_segment_ids is None and kv_seq != seq:
         raise ValueError(
@@ -332,6 +309,7 @@ def _check(
         _check_split("the key/value sequence", kv_seq, axis, mesh)
 
 
+@typechecked
 def context_parallel_attention(
     q: Float[Array, "*batch seq heads head_dim"],
     k: Float[Array, "*batch kv_seq kv_heads head_dim"],
@@ -345,8 +323,8 @@ def context_parallel_attention(
     strategy: Literal["ring", "all_gather"] = "ring",
     window: int | None = None,
     softcap: float | None = None,
-    segment_ids: Int[Array, "..."] | None = None,
-    kv_segment_ids: Int[Array, "..."] | None = None,
+    segment_ids: Int[Array, "*batch seq"] | None = None,
+    kv_segment_ids: Int[Array, "*batch kv_seq"] | None = None,
     block_size: int | tuple[int, int] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Attention whose sequence is split over the mesh axis `axis`: context parallelism.
@@ -404,11 +382,15 @@ def context_parallel_attention(
         sequence.
 
     Raises:
+        jaxtyping.TypeCheckError: `q`, `k`, `v` or the segment ids with shapes that
+            disagree (batch dimensions, `head_dim`, one segment id per token), a mask
+            that holds neither booleans nor integers, a `mesh` that is not a `Mesh`, or
+            a `strategy` other than `"ring"` and `"all_gather"`.
         ValueError: `axis` is not an axis of `mesh`; its size does not divide the
             sequence; `mask` is not a key padding mask (a `(seq, kv_seq)` matrix cannot
             be split: use `causal=True` for the causal one); `causal` with
             `seq != kv_seq`; head counts that do not group; a `window` without
-            `causal`; segment ids that do not match the tokens; a block size that
+            `causal`; `kv_segment_ids` without `segment_ids`; a block size that
             does not divide a device's share.
 
     Example:
