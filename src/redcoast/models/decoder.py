@@ -314,6 +314,62 @@ def _layer_attention(config: DecoderConfig) -> tuple[LayerAttention, ...]:
     return config._layer_attention()
 
 
+def _norm(c: DecoderConfig, features: int) -> AnyNorm:
+    if c.norm_offset:
+        return OffsetRMSNorm(features, eps=c.rms_norm_eps)
+    return eqx.nn.RMSNorm(features, eps=c.rms_norm_eps, use_bias=False)
+
+
+def _block(
+    c: DecoderConfig, k: PRNGKeyArray, *, remat: str, attention: Implementation
+) -> DecoderBlock:
+    """One layer of the decoder, initialised as `transformers` initialises it."""
+    ka, km, kr = jax.random.split(k, 3)
+    first = c.layer_attention()[0]
+    attn = Attention(
+        c.hidden_size,
+        c.num_attention_heads,
+        num_kv_heads=c.kv_heads,
+        head_dim=c.head_size,
+        rope=first.rope,
+        window=first.window,
+        qkv_bias=c.has_qkv_bias,
+        out_bias=c.has_o_bias,
+        qk_norm=functools.partial(_norm, c) if c.qk_norm else None,
+        scale=c.attn_scale,
+        softcap=c.attn_softcap,
+        recompute_scores=remat == "attention",
+        implementation=attention,
+        key=ka,
+    )
+    act = activation(c.activation_name)
+    if c.experts is None:
+        mlp: SwiGLU | SparseMoE = SwiGLU(
+            c.hidden_size, c.intermediate_size, activation=act, use_bias=c.has_mlp_bias, key=km
+        )
+    else:
+        n, top_k = c.experts
+        mlp = SparseMoE(
+            c.hidden_size,
+            c.intermediate_size,
+            num_experts=n,
+            top_k=top_k,
+            activation=act,
+            std=c.initializer_range,
+            key=km,
+        )
+    attn, mlp = normal_init((attn, mlp), c.initializer_range, key=kr)
+    post = c.post_norms
+    return DecoderBlock(
+        _norm(c, c.hidden_size),
+        attn,
+        _norm(c, c.hidden_size),
+        mlp,
+        post_attn_norm=_norm(c, c.hidden_size) if post else None,
+        post_mlp_norm=_norm(c, c.hidden_size) if post else None,
+    )
+
+
 class Decoder(AbstractCausalLM):
     """A decoder of `DecoderConfig`'s family, called on one unbatched sequence of token ids.
 
@@ -362,62 +418,7 @@ class Decoder(AbstractCausalLM):
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         std = c.initializer_range
-        first = c.layer_attention()[0]
-
-        def norm(features: int) -> AnyNorm:
-            if c.norm_offset:
-                return OffsetRMSNorm(features, eps=c.rms_norm_eps)
-            return eqx.nn.RMSNorm(features, eps=c.rms_norm_eps, use_bias=False)
-
-        def block(k: PRNGKeyArray) -> DecoderBlock:
-            ka, km, kr = jax.random.split(k, 3)
-            attn = Attention(
-                c.hidden_size,
-                c.num_attention_heads,
-                num_kv_heads=c.kv_heads,
-                head_dim=c.head_size,
-                rope=first.rope,
-                window=first.window,
-                qkv_bias=c.has_qkv_bias,
-                out_bias=c.has_o_bias,
-                qk_norm=norm if c.qk_norm else None,
-                scale=c.attn_scale,
-                softcap=c.attn_softcap,
-                recompute_scores=remat == "attention",
-                implementation=attention,
-                key=ka,
-            )
-            act = activation(c.activation_name)
-            if c.experts is None:
-                mlp: SwiGLU | SparseMoE = SwiGLU(
-                    c.hidden_size,
-                    c.intermediate_size,
-                    activation=act,
-                    use_bias=c.has_mlp_bias,
-                    key=km,
-                )
-            else:
-                n, top_k = c.experts
-                mlp = SparseMoE(
-                    c.hidden_size,
-                    c.intermediate_size,
-                    num_experts=n,
-                    top_k=top_k,
-                    activation=act,
-                    std=std,
-                    key=km,
-                )
-            attn, mlp = normal_init((attn, mlp), std, key=kr)
-            post = c.post_norms
-            return DecoderBlock(
-                norm(c.hidden_size),
-                attn,
-                norm(c.hidden_size),
-                mlp,
-                post_attn_norm=norm(c.hidden_size) if post else None,
-                post_mlp_norm=norm(c.hidden_size) if post else None,
-            )
-
+        block = functools.partial(_block, c, remat=remat, attention=attention)
         self.config = config
         self.remat = check_remat(remat)
         tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
@@ -426,7 +427,7 @@ class Decoder(AbstractCausalLM):
         )
         self.embed_positions = None
         self.blocks = make_stack(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
-        self.norm = norm(c.hidden_size)
+        self.norm = _norm(c, c.hidden_size)
         head = eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
         self.lm_head = (
             None

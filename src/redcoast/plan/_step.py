@@ -258,6 +258,32 @@ class Measured:
     refused: str | None = None
 
 
+def _loss_and_batch(
+    model: PlannedModel, layout: Layout, mesh: Mesh, lora: LoRA | None
+) -> tuple[Callable[..., Any], dict[str, Any], int, dict[str, Any]]:
+    """The step's loss, its abstract batch, the rows one step reads, and the step's
+    options these imply (context parallelism)."""
+    options: dict[str, Any] = {}
+    n_data = layout.devices // layout.n_model_shards
+    if layout.context_parallel:
+        # Whole rows on every device, as `fit` gives them, split inside the step; the
+        # model reads `seq_len` tokens either way.
+        rows, tokens, spec = layout.per_device_batch_size, layout.seq_len, P()
+        options["context_parallel"] = ContextParallel(mesh)
+        loss = model.whole_rows_loss
+    else:
+        rows, tokens, spec = layout.per_device_batch_size * n_data, layout.seq_len + 1, P(DATA)
+        loss = model.loss_fn
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct(
+            (rows, tokens), jnp.int32, sharding=NamedSharding(mesh, spec)
+        )
+    }
+    if layout.preference is not None:
+        loss, batch = _preference(layout.preference, lora, rows, layout.seq_len, mesh)
+    return loss, batch, rows, options
+
+
 def compile_step(
     model: PlannedModel,
     layout: Layout,
@@ -277,28 +303,11 @@ def compile_step(
 
     devices = list(jax.devices()[: layout.devices] if devices is None else devices)
     mesh = make_mesh(layout.n_model_shards, devices=devices)
-    n_data = layout.devices // layout.n_model_shards
     key = jax.random.key(0)
     params, static, trained, mask = _placed_params(model, key, layout, mesh, lora)
     optimizer = optax.adamw(1e-4)
     state = _placed_opt_state(optimizer, trained, params, mesh)
-    options: dict[str, Any] = {}
-    if layout.context_parallel:
-        # Whole rows on every device, as `fit` gives them, split inside the step; the
-        # model reads `seq_len` tokens either way.
-        rows, tokens, spec = layout.per_device_batch_size, layout.seq_len, P()
-        options["context_parallel"] = ContextParallel(mesh)
-        loss = model.whole_rows_loss
-    else:
-        rows, tokens, spec = layout.per_device_batch_size * n_data, layout.seq_len + 1, P(DATA)
-        loss = model.loss_fn
-    batch = {
-        "input_ids": jax.ShapeDtypeStruct(
-            (rows, tokens), jnp.int32, sharding=NamedSharding(mesh, spec)
-        )
-    }
-    if layout.preference is not None:
-        loss, batch = _preference(layout.preference, lora, rows, layout.seq_len, mesh)
+    loss, batch, rows, options = _loss_and_batch(model, layout, mesh, lora)
     if layout.precision != "fp32":
         options["precision"] = layout.precision
     if mask is not None:

@@ -5,10 +5,11 @@
 device-to-host transfer per logging interval, one step behind the devices),
 evaluation, signal stops and checkpoints. A user's hooks run beside them.
 
-Those parts live beside it: the hooks in `_fit_hooks.py` (evaluation in
-`_evaluator.py`, signal stops in `_signals.py`), what a checkpoint records of the
-loop and resuming from it in `_resume.py`, the workdir's claim and lock in
-`workdir.py`, and `Checkpointing` with the run's checkpoint folder in `checkpoint/_run.py`.
+Those parts live beside it: each epoch's examples and batches in `_fit_data.py`,
+the hooks in `_fit_hooks.py` (evaluation in `_evaluator.py`, signal stops in
+`_signals.py`), what a checkpoint records of the loop and resuming from it in
+`_resume.py`, the workdir's claim and lock in `workdir.py`, and `Checkpointing`
+with the run's checkpoint folder in `checkpoint/_run.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import os
 import sys
 import time
@@ -39,14 +39,16 @@ from ..parallel._parallelism import ContextOption, SequenceOption, check_options
 from ..parallel.mesh import make_mesh, mesh_shape
 from ..parallel.place import model_mesh
 from ._evaluator import evaluator as _evaluator
+from ._fit_data import epochs as _epochs
+from ._fit_data import total_steps as _total_steps
 from ._fit_hooks import fit_hooks as _hooks
 from ._fit_setup import check_options as _check_options
 from ._fit_setup import hand_over as _hand_over
 from ._fit_setup import start as _start
 from ._resume import Run as _Run
 from ._signals import stop_requests as _stop_requests
-from .data import Batch, CollateFn, Examples, batches, global_batch_size, order_fingerprint
-from .evaluate import Evaluation, check_examples
+from .data import Batch, CollateFn, Examples, global_batch_size
+from .evaluate import Evaluation
 from .logging import (
     STEP_TOKENS,
     Logger,
@@ -120,76 +122,6 @@ def _summary(state: LoopState, history: dict[str, Any], seconds: float) -> str:
     parts += describe_speed(median_speed(history["train"]))
     metrics = f": {', '.join(parts)}" if parts else ""
     return f"redcoast: {state.step} steps in {seconds:.1f} s{metrics}"
-
-
-def _epochs(
-    train_examples: Examples | Callable[[int], Examples],
-    *,
-    collate_fn: CollateFn,
-    run: _Run,
-    size: int,
-    seed: int,
-) -> tuple[
-    Batch, Callable[[int, int], tuple[Iterator[Batch], int]], Callable[[int], dict[str, Any]]
-]:
-    """The first batch (collated once, to trace `loss_fn`), `(epoch, start) -> batches`, and
-    `epoch -> {"n_examples", "order"}` (its length and `order_fingerprint`) for checkpoints."""
-
-    def examples_of(epoch: int) -> Examples:
-        examples = train_examples(epoch) if callable(train_examples) else train_examples
-        examples = check_examples(examples, f"train_examples (epoch {epoch})")
-        if len(examples) < size:
-            shards = "" if run.context else f" x {mesh_shape(run.mesh)[0]} data shards"
-            raise ValueError(
-                f"train_examples has {len(examples)} examples in epoch {epoch}, fewer than one "
-                f"global batch of {size} (per_device_batch_size{shards} x "
-                "accumulate_grad_batches); the partial batch would be dropped. Use a smaller "
-                "per_device_batch_size."
-            )
-        return examples
-
-    # Asked for once an epoch: train_examples(epoch) may build the examples anew on each call.
-    held: dict[int, Examples] = {0: examples_of(0)}
-
-    def examples(epoch: int) -> Examples:
-        if epoch not in held:
-            held.clear()
-            held[epoch] = examples_of(epoch)
-        return held[epoch]
-
-    first_examples = held[0]
-    kw: dict[str, Any] = {
-        "collate_fn": collate_fn,
-        "mesh": run.mesh,
-        "batch_size": size,
-        "seed": seed,
-        "split_rows": run.context is None,
-    }
-    first = next(batches(first_examples, epoch=0, **kw))
-
-    def epoch_batches(epoch: int, start: int) -> tuple[Iterator[Batch], int]:
-        those = examples(epoch)
-        if epoch == 0 and start == 0:
-            it = itertools.chain([first], batches(those, epoch=0, start=1, **kw))
-        else:
-            it = batches(those, epoch=epoch, start=start, **kw)
-        return it, len(those) // size
-
-    @functools.lru_cache(maxsize=2)
-    def data(epoch: int) -> dict[str, Any]:
-        n = len(examples(epoch))
-        return {"n_examples": n, "order": order_fingerprint(n, seed=seed, epoch=epoch)}
-
-    return first, epoch_batches, data
-
-
-def _total_steps(
-    train_examples: Any, n_epochs: int | None, max_steps: int | None, size: int
-) -> int | None:
-    if callable(train_examples) or n_epochs is None:
-        return max_steps
-    per_run = n_epochs * (len(train_examples) // size)
-    return per_run if max_steps is None else min(max_steps, per_run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,6 +511,9 @@ def fit(
         ...              checkpointing=Checkpointing(every=500, keep_last_n=3))
         >>> result.history["eval"][-1]["eval_accuracy"]
     """
+    # One straight sequence, each stage a helper of its own: check every option, hold
+    # the workdir, read the first batch, place the model, build the step and the loop,
+    # train. Its length is the passing of fit's options to the stage that reads each.
     started = time.perf_counter()
     options = (n_epochs, max_steps, log_every, on_nonfinite, workdir, checkpointing)
     how = {"precision": precision, "data_parallel": data_parallel, "fsdp": fsdp}
