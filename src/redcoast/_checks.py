@@ -1,12 +1,14 @@
 """Argument checks shared by every module: an error that names the argument and the value."""
 
+import math
+import os
 from typing import Any
 
 import numpy as np
 from beartype import BeartypeConf, beartype
 from jaxtyping import jaxtyped
 
-__all__ = ["check_positive", "typechecked"]
+__all__ = ["check_positive", "positive_env", "typechecked"]
 
 typechecked = jaxtyped(typechecker=beartype(conf=BeartypeConf(is_pep484_tower=True)))
 """Check a public function's arguments against its annotations when it is called:
@@ -24,3 +26,18 @@ def check_positive(name: str, value: Any, *, optional: bool = True) -> None:
         raise ValueError(
             f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}."
         )
+
+
+def positive_env(name: str, what: str) -> float | None:
+    """The positive, finite number in the environment variable `name`, or None when it is
+    unset or blank; anything else raises a `ValueError` saying `what` to give."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{name}={text!r}: give {what}.")
+    return value

@@ -15,8 +15,6 @@ heartbeat's thread lives as long as its `with` block.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import sys
 import threading
 import time
@@ -39,6 +37,7 @@ from rich.progress import (
 from rich.progress import Progress as _Rich
 from rich.text import Text
 
+from ._checks import positive_env
 from ._units import fmt_bytes
 
 __all__ = ["ENV_SECONDS", "Progress", "compiling", "duration", "heartbeat", "interactive"]
@@ -58,16 +57,8 @@ def interactive() -> bool:
 
 def line_seconds() -> float:
     """Seconds between progress lines: `REDCOAST_PROGRESS_SECONDS`, else 30."""
-    text = os.environ.get(ENV_SECONDS, "").strip()
-    if not text:
-        return _DEFAULT_SECONDS
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0 or not math.isfinite(seconds):
-        raise ValueError(f"{ENV_SECONDS}={text!r}: give a positive number of seconds, e.g. 30.")
-    return seconds
+    seconds = positive_env(ENV_SECONDS, "a positive number of seconds, e.g. 30")
+    return _DEFAULT_SECONDS if seconds is None else seconds
 
 
 def duration(seconds: int | float) -> str:

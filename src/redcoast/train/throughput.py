@@ -21,7 +21,6 @@ else `PEAK_FLOPS` by `device_kind`; none for CPUs, so no MFU there.
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._checks import positive_env
 from ..parallel import _jaxpr
 
 __all__ = ["ENV_PEAK", "PEAK_FLOPS", "matmul_flops", "peak_flops", "step_flops", "step_tokens"]
@@ -67,14 +67,8 @@ def peak_flops(device: Any) -> float | None:
     Raises:
         ValueError: `REDCOAST_PEAK_FLOPS` is not a positive number.
     """
-    text = os.environ.get(ENV_PEAK, "").strip()
-    if text:
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not value > 0 or not math.isfinite(value):
-            raise ValueError(f"{ENV_PEAK}={text!r}: give a device's peak FLOP/s, e.g. 312e12.")
+    value = positive_env(ENV_PEAK, "a device's peak FLOP/s, e.g. 312e12")
+    if value is not None:
         return value
     if getattr(device, "platform", "cpu") == "cpu":
         return None
