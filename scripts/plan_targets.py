@@ -10,13 +10,19 @@ sequence per device; FSDP over the slice for the full fine-tunes. The step time 
 the planner's roofline at the hardware's published peak (a lower bound; see
 `redcoast.plan._targets.StepEstimate`).
 
-Run: python scripts/plan_targets.py   (writes bench-results/plan_targets.json)
+`--families` plans today's checkpoints instead (Llama 3.x, Qwen 2.5 / 3, Mistral,
+Mixtral, Gemma 2, Phi-3): LoRA rank 16 on every projection of a bfloat16 base, 4096
+tokens, full remat, scanned layers, on one 24 GB GPU (an L4) and one 16 GB TPU v5e chip.
+
+Run: python scripts/plan_targets.py [--families]
+     (writes bench-results/plan_targets.json or plan_targets_families.json)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +40,19 @@ ROWS = [
     ("llama-7b", 2048, "l4-24gb", 8, False),
     ("llama-7b", 2048, "h100-80gb", 0, False),
 ]
+FAMILIES = [
+    "llama-3.2-1b",
+    "llama-3.1-8b",
+    "qwen2.5-7b",
+    "qwen3-8b",
+    "mistral-7b",
+    "mixtral-8x7b",
+    "gemma-2-9b",
+    "phi-3-mini",
+]
+FAMILY_ROWS = [
+    (model, 4096, target, 16, False) for model in FAMILIES for target in ("l4-24gb", "v5e-1")
+]
 
 
 def main() -> None:
@@ -47,7 +66,8 @@ def main() -> None:
         "| estimated step | tokens/s | MFU | planned in |"
     )
     print("|" + "---|" * 10)
-    for model, seq, target, rank, fsdp in ROWS:
+    families = "--families" in sys.argv[1:]
+    for model, seq, target, rank, fsdp in FAMILY_ROWS if families else ROWS:
         start = time.perf_counter()
         plan = rc.memory_plan(
             model,
@@ -74,7 +94,7 @@ def main() -> None:
             flush=True,
         )
         rows.append({"model": model, "tokens": seq, "target": target, **plan.to_dict()})
-    out = Path("bench-results/plan_targets.json")
+    out = Path(f"bench-results/plan_targets{'_families' if families else ''}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(rows, indent=2, default=str) + "\n")
 

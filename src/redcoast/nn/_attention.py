@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._checks import typechecked
 from ..parallel import _active
 from . import _blockwise, _kernels
+from ._options import Options
 from ._remat import recomputed
 
 __all__ = ["IMPLEMENTATIONS", "Implementation", "attention", "check_implementation"]
@@ -86,26 +87,17 @@ def _scores_softmax_values(
     return jnp.einsum("...hts,...shd->...thd", weights, v)
 
 
-def _visible(
-    seq: int,
-    kv_seq: int,
-    *,
-    causal: bool,
-    window: int | None,
-    mask: Array | None,
-    segment_ids: Array | None,
-    kv_segment_ids: Array | None,
-) -> Array | None:
+def _visible(seq: int, kv_seq: int, o: Options) -> Array | None:
     """Which keys each query sees, `(*batch, seq, kv_seq)`, or None for all of them."""
-    visible = mask
+    visible = o.mask
     q_pos, k_pos = jnp.arange(seq)[:, None], jnp.arange(kv_seq)[None, :]
-    if causal:
+    if o.causal:
         visible = _and(visible, k_pos <= q_pos)
-    if window is not None:
-        visible = _and(visible, k_pos > q_pos - window)
-    if segment_ids is not None:
-        theirs = segment_ids if kv_segment_ids is None else kv_segment_ids
-        visible = _and(visible, segment_ids[..., :, None] == theirs[..., None, :])
+    if o.window is not None:
+        visible = _and(visible, k_pos > q_pos - o.window)
+    if o.segment_ids is not None:
+        theirs = o.segment_ids if o.kv_segment_ids is None else o.kv_segment_ids
+        visible = _and(visible, o.segment_ids[..., :, None] == theirs[..., None, :])
     return visible
 
 
@@ -114,36 +106,16 @@ def _and(a: Array | None, b: Array) -> Array:
 
 
 def _einsum(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    causal: bool,
-    mask: Array | None,
-    window: int | None,
-    segment_ids: Array | None,
-    kv_segment_ids: Array | None,
-    bias: Array | None,
-    scale: float | None,
-    softcap: float | None,
-    recompute: bool,
+    q: Array, k: Array, v: Array, o: Options, *, scale: float | None, recompute: bool
 ) -> Array:
     heads, kv_heads = q.shape[-2], k.shape[-2]
     if heads != kv_heads:
         group = heads // kv_heads
         k = repeat(k, "... s h d -> ... s (h g) d", g=group)
         v = repeat(v, "... s h d -> ... s (h g) d", g=group)
-    visible = _visible(
-        q.shape[-3],
-        k.shape[-3],
-        causal=causal,
-        window=window,
-        mask=mask,
-        segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids,
-    )
-    fn = functools.partial(_scores_softmax_values, scale=scale, softcap=softcap)
-    return recomputed(fn, recompute)(q, k, v, visible, bias)
+    visible = _visible(q.shape[-3], k.shape[-3], o)
+    fn = functools.partial(_scores_softmax_values, scale=scale, softcap=o.softcap)
+    return recomputed(fn, recompute)(q, k, v, visible, o.bias)
 
 
 def _blocks(block_size: int | tuple[int, int] | None, seq: int, kv_seq: int) -> tuple[int, int]:
@@ -199,19 +171,7 @@ def _batched(x: Array | None, batch: tuple[int, ...], core: int) -> Array | None
 
 
 def _blockwise_attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    causal: bool,
-    mask: Array | None,
-    window: int | None,
-    segment_ids: Array | None,
-    kv_segment_ids: Array | None,
-    bias: Array | None,
-    scale: float | None,
-    softcap: float | None,
-    blocks: tuple[int, int],
+    q: Array, k: Array, v: Array, o: Options, *, scale: float | None, blocks: tuple[int, int]
 ) -> Array:
     batch = q.shape[:-3]
     seq, kv_seq = q.shape[-3], k.shape[-3]
@@ -219,16 +179,15 @@ def _blockwise_attention(
     spec = _blockwise.Blocks(
         q=blocks[0],
         kv=blocks[1],
-        causal=causal,
-        window=window,
-        softcap=softcap,
+        causal=o.causal,
+        window=o.window,
+        softcap=o.softcap,
         scale=_blockwise.scale_of(q.shape[-1], scale),
     )
-    if segment_ids is not None:
-        segment_ids = segment_ids.reshape(-1, seq)
-        theirs = segment_ids if kv_segment_ids is None else kv_segment_ids.reshape(-1, kv_seq)
-    else:
-        theirs = None
+    segment_ids, theirs, mask, bias = None, None, o.mask, o.bias
+    if o.segment_ids is not None:
+        segment_ids = o.segment_ids.reshape(-1, seq)
+        theirs = segment_ids if o.kv_segment_ids is None else o.kv_segment_ids.reshape(-1, kv_seq)
     if mask is not None:  # whole (seq, kv_seq) matrices, the batch axes as given
         mask = jnp.broadcast_to(mask.astype(bool), (*mask.shape[:-2], seq, kv_seq))
     if bias is not None:
@@ -247,19 +206,7 @@ def _blockwise_attention(
     return out.reshape(q.shape)
 
 
-def _check(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    causal: bool,
-    mask: Array | None,
-    window: int | None,
-    segment_ids: Array | None,
-    kv_segment_ids: Array | None,
-    bias: Array | None,
-    implementation: str,
-) -> None:
+def _check(q: Array, k: Array, o: Options, implementation: str) -> None:
     check_implementation(implementation)
     heads, kv_heads = q.shape[-2], k.shape[-2]
     if heads % kv_heads:
@@ -268,33 +215,33 @@ def _check(
             "query heads must be a multiple of the key/value heads."
         )
     seq, kv_seq = q.shape[-3], k.shape[-3]
-    if causal and seq != kv_seq:
+    if o.causal and seq != kv_seq:
         raise ValueError(
             f"attention: causal=True needs as many keys as queries; got {seq} queries and "
             f"{kv_seq} keys. Pass a mask for attention to a cache."
         )
-    if window is not None and (not causal or window < 1):
+    if o.window is not None and (not o.causal or o.window < 1):
         raise ValueError(
-            f"attention: window={window!r} is a sliding window over the past: it needs "
+            f"attention: window={o.window!r} is a sliding window over the past: it needs "
             "causal=True and a positive number of positions."
         )
-    if segment_ids is None and kv_segment_ids is not None:
+    if o.segment_ids is None and o.kv_segment_ids is not None:
         raise ValueError("attention: kv_segment_ids needs the queries' segment_ids too.")
-    if segment_ids is not None and kv_segment_ids is None and seq != kv_seq:
+    if o.segment_ids is not None and o.kv_segment_ids is None and seq != kv_seq:
         raise ValueError(
             f"attention: segment_ids for {seq} queries and {kv_seq} keys; pass the keys' "
             "own as kv_segment_ids."
         )
     batch = q.shape[:-3]
-    if mask is not None and not _broadcasts(mask.shape, (*batch, seq, kv_seq)):
+    if o.mask is not None and not _broadcasts(o.mask.shape, (*batch, seq, kv_seq)):
         raise ValueError(
-            f"attention: a mask of shape {mask.shape} does not fit q {q.shape} and k "
+            f"attention: a mask of shape {o.mask.shape} does not fit q {q.shape} and k "
             f"{k.shape}: it says which key each query sees, shape (seq, kv_seq) = "
             f"{(seq, kv_seq)}, or with the batch dimensions {(*batch, seq, kv_seq)}."
         )
-    if bias is not None and not _broadcasts(bias.shape, (*batch, heads, seq, kv_seq)):
+    if o.bias is not None and not _broadcasts(o.bias.shape, (*batch, heads, seq, kv_seq)):
         raise ValueError(
-            f"attention: a bias of shape {bias.shape} does not fit q {q.shape} and k "
+            f"attention: a bias of shape {o.bias.shape} does not fit q {q.shape} and k "
             f"{k.shape}: it is added to the scores, shape (heads, seq, kv_seq) = "
             f"{(heads, seq, kv_seq)}, or with batch dimensions that broadcast over "
             f"{batch}."
@@ -308,38 +255,15 @@ def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
     return all(a in (1, b) for a, b in zip(shape[::-1], to[::-1], strict=False))
 
 
-def _chosen(
-    implementation: str,
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    causal: bool,
-    mask: Array | None,
-    window: int | None,
-    segment_ids: Array | None,
-    kv_segment_ids: Array | None,
-    bias: Array | None,
-    softcap: float | None,
-    block_size: Any,
-) -> str:
+def _chosen(implementation: str, q: Array, k: Array, o: Options, block_size: Any) -> str:
     """What `"auto"` runs: the accelerator's kernel where it applies, else on an
     accelerator blockwise for long sequences, else the einsum."""
     if implementation != "auto":
         return implementation
-    options = {
-        "causal": causal,
-        "mask": mask,
-        "window": window,
-        "segment_ids": segment_ids,
-        "kv_segment_ids": kv_segment_ids,
-        "bias": bias,
-        "softcap": softcap,
-    }
     platform = _kernels.platform()
-    if platform == "gpu" and _kernels.cudnn_refusal(q, k, v, **options) is None:
+    if platform == "gpu" and _kernels.cudnn_refusal(q, k, o) is None:
         return "cudnn"
-    if platform == "tpu" and _kernels.pallas_refusal(q, k, v, **options) is None:
+    if platform == "tpu" and _kernels.pallas_refusal(q, k, o) is None:
         return "pallas"
     seq, kv_seq = q.shape[-3], k.shape[-3]
     if platform not in ("gpu", "tpu") or seq * kv_seq < LONG:
@@ -453,15 +377,8 @@ def attention(
         >>> attention(q, k, v, causal=True, window=512, implementation="blockwise").shape
         (2048, 4, 64)
     """
-    options: dict[str, Any] = {
-        "causal": causal,
-        "mask": mask,
-        "window": window,
-        "segment_ids": segment_ids,
-        "kv_segment_ids": kv_segment_ids,
-        "bias": bias,
-    }
-    _check(q, k, v, implementation=implementation, **options)
+    o = Options(causal, mask, window, segment_ids, kv_segment_ids, bias, softcap)
+    _check(q, k, o, implementation)
     seq, kv_seq = q.shape[-3], k.shape[-3]
     active = _active.current()
     if active is not None:
@@ -487,14 +404,14 @@ def attention(
                 blockwise=implementation != "einsum",
                 block_size=block_size,
             )
-    chosen = _chosen(implementation, q, k, v, softcap=softcap, block_size=block_size, **options)
+    chosen = _chosen(implementation, q, k, o, block_size)
     if chosen == "einsum":
-        return _einsum(q, k, v, scale=scale, softcap=softcap, recompute=recompute, **options)
+        return _einsum(q, k, v, o, scale=scale, recompute=recompute)
     if chosen == "cudnn":
-        _kernels.refuse("cudnn", _kernels.cudnn_refusal(q, k, v, softcap=softcap, **options))
+        _kernels.refuse("cudnn", _kernels.cudnn_refusal(q, k, o))
         return _kernels.cudnn(q, k, v, causal=causal, window=window, scale=scale)
     if chosen == "pallas":
-        _kernels.refuse("pallas", _kernels.pallas_refusal(q, k, v, softcap=softcap, **options))
+        _kernels.refuse("pallas", _kernels.pallas_refusal(q, k, o))
         return _kernels.pallas(
             q,
             k,
@@ -508,4 +425,4 @@ def attention(
             block_size=block_size,
         )
     blocks = _check_blocks(block_size, seq, kv_seq, q.shape, block_size is not None)
-    return _blockwise_attention(q, k, v, scale=scale, softcap=softcap, blocks=blocks, **options)
+    return _blockwise_attention(q, k, v, o, scale=scale, blocks=blocks)

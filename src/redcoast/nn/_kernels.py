@@ -32,6 +32,7 @@ from jaxtyping import Array
 
 from ..parallel import _active
 from ._blockwise import scale_of
+from ._options import Options
 
 __all__ = [
     "active_mesh",
@@ -77,36 +78,16 @@ def refuse(name: str, reason: str | None) -> None:
         )
 
 
-def _unsupported(**options: Any) -> list[str]:
-    return [name for name, value in options.items() if value is not None and value is not False]
-
-
-def cudnn_refusal(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    causal: bool,
-    mask: Array | None,
-    window: int | None,
-    segment_ids: Array | None,
-    kv_segment_ids: Array | None,
-    bias: Array | None,
-    softcap: float | None,
-) -> str | None:
+def cudnn_refusal(q: Array, k: Array, options: Options) -> str | None:
     """Why cuDNN's fused attention cannot run this call, or None."""
-    del causal, v
     if (where := platform()) != "gpu":
         return f"runs on GPU, and this computation is for {where}"
-    options = {"mask": mask, "segment_ids": segment_ids, "bias": bias, "softcap": softcap}
-    options["kv_segment_ids"] = kv_segment_ids
-    if names := _unsupported(**options):
+    if names := options.given("mask", "segment_ids", "kv_segment_ids", "bias", "softcap"):
         return f"takes no {', '.join(names)}"
     if q.dtype not in (jnp.float16, jnp.bfloat16) or k.dtype != q.dtype:
         return f"needs float16 or bfloat16 inputs, got {q.dtype}"
     if q.shape[-1] % 8 or q.shape[-1] > 128:
         return f"needs head_dim a multiple of 8 up to 128, got {q.shape[-1]}"
-    del window
     return None
 
 
@@ -127,32 +108,19 @@ def cudnn(
     return out.reshape(q.shape)
 
 
-def pallas_refusal(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    causal: bool,
-    mask: Array | None,
-    window: int | None,
-    segment_ids: Array | None,
-    kv_segment_ids: Array | None,
-    bias: Array | None,
-    softcap: float | None,
-) -> str | None:
+def pallas_refusal(q: Array, k: Array, options: Options) -> str | None:
     """Why the splash-attention kernel cannot run this call, or None."""
-    del window, softcap, v
     mesh = active_mesh()
     if (where := platform()) != "tpu":
         return f"runs on TPU, and this computation is for {where}"
-    if names := _unsupported(mask=mask, bias=bias):
+    if names := options.given("mask", "bias"):
         return f"takes no {', '.join(names)}"
     seq, kv_seq = q.shape[-3], k.shape[-3]
     if seq % PALLAS_BLOCK or kv_seq % PALLAS_BLOCK:
         return (
             f"needs both lengths multiples of {PALLAS_BLOCK}, got {seq} queries and {kv_seq} keys"
         )
-    if kv_segment_ids is not None and not causal:
+    if options.kv_segment_ids is not None and not options.causal:
         # A query whose document has no key would have no key to see: the kernel's
         # softmax is undefined there.
         return "takes kv_segment_ids only with causal=True"
@@ -162,7 +130,6 @@ def pallas_refusal(
             "it inside a redcoast step whose parallelism names the mesh (FSDP, sequence "
             "or context parallelism), or on one device"
         )
-    del segment_ids
     return None
 
 
