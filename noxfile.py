@@ -89,8 +89,8 @@ def slow(session: nox.Session) -> None:
 
 @nox.session
 def exhaustive(session: nox.Session) -> None:
-    """The slow checks `slow` runs on two model families and 4 devices, on every family
-    and on 2 and 8 devices too (about 30 min)."""
+    """The slow checks `slow` runs on a few cases, on every case: every model family, 2
+    and 8 devices, and the masks, meshes and layouts tests/conftest.py's `LATER` names."""
     session.log("installing redcoast with its test and hf extras: PyTorch (CPU), transformers")
     session.install("-e", ".[test,hf]")
     session.run("pytest", *WORKERS, "-m", "exhaustive", *session.posargs, env=SIMULATED)
