@@ -69,9 +69,9 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _thaw(pairs: tuple[tuple[str, Any], ...] | None) -> dict[str, Any]:
-    """The rope settings as a JSON object again (tuples of numbers become lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in pairs or ()}
+def _thaw(settings: dict[str, Any] | None) -> dict[str, Any]:
+    """The rope settings as a JSON object (tuples of numbers as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in (settings or {}).items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,11 +124,25 @@ class DecoderConfig(hf.HFConfig):
     partial_rotary_factor: float = 1.0
     tie_word_embeddings: bool = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every family compares and hashes as this class does: set before the family's
+        # own @dataclass runs, which keeps an `__eq__` and `__hash__` a class defines.
+        super().__init_subclass__(**kwargs)
+        cls.__eq__ = DecoderConfig.__eq__  # type: ignore[method-assign]
+        cls.__hash__ = DecoderConfig.__hash__  # type: ignore[method-assign]
+
+    def _key(self) -> tuple[Any, ...]:
+        return (type(self), *(_freeze(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DecoderConfig) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        # JSON objects and lists (`rope_scaling`, `layer_types`) are kept as given and
+        # hashed frozen: a config is static data of a model.
+        return hash(self._key())
+
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rope_scaling", _freeze(self.rope_scaling))
-        listed = getattr(self, "layer_types", None)  # a JSON list (Qwen, Gemma), made hashable
-        if listed is not None:
-            object.__setattr__(self, "layer_types", tuple(listed))
         super().__post_init__()
         name = type(self).__name__
         names = {f.name for f in dataclasses.fields(self)}
@@ -236,7 +250,7 @@ class DecoderConfig(hf.HFConfig):
                 f"{type(self).__name__}: layer_types has {len(listed)} entries for "
                 f"num_hidden_layers={self.num_hidden_layers}; give one per layer."
             )
-        return listed
+        return None if listed is None else tuple(listed)
 
     @property
     def window(self) -> int | None:

@@ -377,7 +377,15 @@ def attention(
         >>> attention(q, k, v, causal=True, window=512, implementation="blockwise").shape
         (2048, 4, 64)
     """
-    o = Options(causal, mask, window, segment_ids, kv_segment_ids, bias, softcap)
+    o = Options(
+        causal=causal,
+        mask=mask,
+        window=window,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        bias=bias,
+        softcap=softcap,
+    )
     _check(q, k, o, implementation)
     seq, kv_seq = q.shape[-3], k.shape[-3]
     active = _active.current()

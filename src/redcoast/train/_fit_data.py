@@ -3,6 +3,7 @@ collated once (to trace `loss_fn`), and what a checkpoint records of the data.""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterator
@@ -19,13 +20,11 @@ def epochs(
     *,
     collate_fn: CollateFn,
     run: Run,
-    size: int,
-    seed: int,
-) -> tuple[
-    Batch, Callable[[int, int], tuple[Iterator[Batch], int]], Callable[[int], dict[str, Any]]
-]:
+) -> tuple[Batch, Callable[[int, int], tuple[Iterator[Batch], int]], Run]:
     """The first batch (collated once, to trace `loss_fn`), `(epoch, start) -> batches`, and
-    `epoch -> {"n_examples", "order"}` (its length and `order_fingerprint`) for checkpoints."""
+    `run` whose `data` is `epoch -> {"n_examples", "order"}` (its length and
+    `order_fingerprint`), what checkpoints record of each epoch."""
+    size, seed = run.size, run.seed
 
     def examples_of(epoch: int) -> Examples:
         examples = train_examples(epoch) if callable(train_examples) else train_examples
@@ -72,7 +71,7 @@ def epochs(
         n = len(examples(epoch))
         return {"n_examples": n, "order": order_fingerprint(n, seed=seed, epoch=epoch)}
 
-    return first, epoch_batches, data
+    return first, epoch_batches, dataclasses.replace(run, data=data)
 
 
 def total_steps(

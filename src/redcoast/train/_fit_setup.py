@@ -1,27 +1,41 @@
-"""What `fit` settles before its first step: the options checked, and the model
-placed, its optimizer state made or resumed, and handed over."""
+"""What `fit` settles before its first step: the options checked, the run's mesh and
+global batch, its workdir held and claimed, the model placed, its optimizer state made
+or resumed and handed over, and the step built."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+import functools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
 
 import equinox as eqx
+import jax
 import optax
+from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._checks import check_positive
 from ..checkpoint._io import fingerprint
 from ..checkpoint._run import Checkpointing
-from ..parallel._parallelism import Parallelism, SequenceOption
-from ..parallel.place import own_copy, place, release, replicate_strays
+from ..parallel._context_parallel import ContextParallel
+from ..parallel._parallelism import ContextOption, Parallelism, SequenceOption
+from ..parallel.mesh import make_mesh, mesh_shape
+from ..parallel.place import model_mesh, own_copy, place, release, replicate_strays
 from ._resume import Run
 from ._resume import resume as resume_run
+from .data import global_batch_size
 from .evaluate import Evaluation
+from .logging import STEP_TOKENS, Logger, jsonl_logger
 from .loop import LoopState
 from .precision import cast, check_precision, param_dtype
+from .step import LossFn, train_step
+from .throughput import step_tokens
 from .trainable import Trainable, frozen_mask, trainable_mask
+from .workdir import claim_workdir, hold_workdir
 
 __all__ = ["check_options", "hand_over", "start"]
 
@@ -116,3 +130,86 @@ def start(
     if resume:
         state, history = resume_run(run, state)
     return run, state, history, mask
+
+
+def _run_step(core: Callable[..., Any], count: Callable[..., Any]) -> Callable[..., Any]:
+    """The step of a run: `(model, opt_state, batch, key, step)`, the key folded in inside,
+    its metrics with the tokens it learnt from (`count(batch, metrics)`, if any)."""
+
+    def step(m: Any, o: Any, b: Any, k: Any, s: Any) -> tuple[Any, Any, dict[str, Any]]:
+        m, o, metrics = core(m, o, b, jax.random.fold_in(k, s))
+        tokens = count(b, metrics)
+        return m, o, metrics if tokens is None else {**metrics, STEP_TOKENS: tokens}
+
+    return step
+
+
+def run_of(
+    model: PyTree,
+    mesh: Mesh | None,
+    context_parallel: ContextOption,
+    workdir: str | os.PathLike[str] | None,
+    seed: int,
+    per_device_batch_size: int,
+    accumulate_grad_batches: int,
+) -> Run:
+    """The run's mesh (given, the model's, or one device), context, global batch and folder."""
+    mesh = mesh or model_mesh(model) or make_mesh(1)
+    context = ContextParallel(mesh) if context_parallel is True else context_parallel or None
+    size = global_batch_size(
+        mesh, per_device_batch_size, accumulate_grad_batches, split_rows=context is None
+    )
+    root = None if workdir is None else os.fspath(workdir)
+    lead = jax.process_index() == 0
+    return Run(mesh, size, seed, jax.random.key(seed), root, lead, context=context)
+
+
+def step_of(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    run: Run,
+    mask: Any,
+    accumulate_grad_batches: int,
+    schedule: Callable[[Any], Any] | None,
+    on_nonfinite: str,
+    *,
+    precision: str,
+    data_parallel: Literal["jit", "shard_map"],
+) -> Callable[..., Any]:
+    """The run's step (`_run_step`) of `train_step` under the run's parallelism, counting
+    the tokens of each batch."""
+    core = train_step(
+        loss_fn,
+        optimizer,
+        accumulate_grad_batches=accumulate_grad_batches,
+        mesh=run.mesh,
+        data_parallel=data_parallel,
+        schedule=schedule,
+        skip_nonfinite=on_nonfinite == "skip",
+        precision=precision,
+        trainable=mask,
+        parallelism=run.parallelism,
+        jit=False,
+    )
+    shards = mesh_shape(run.mesh)[0] if data_parallel == "shard_map" else 1
+    count = functools.partial(
+        step_tokens, micro_batches=accumulate_grad_batches, data_shards=shards
+    )
+    return _run_step(core, count)
+
+
+@contextlib.contextmanager
+def held(run: Run, *, overwrite: bool, resume: bool) -> Iterator[Callable[[], None]]:
+    """The run's workdir held (its lock) and claimed for the length of the block; yields
+    the check that it is still this run's (nothing to check without a workdir)."""
+    if run.root is None:
+        yield lambda: None
+        return
+    with hold_workdir(run.root) as still_held:
+        claim_workdir(run.root, overwrite=overwrite, lead=run.lead, resume=resume)
+        yield still_held
+
+
+def sinks(root: str | None, loggers: Sequence[Logger]) -> list[Logger]:
+    """Where the metrics go: the user's loggers, and `metrics.jsonl` in the workdir."""
+    return [*loggers] if root is None else [jsonl_logger(Path(root, "metrics.jsonl")), *loggers]

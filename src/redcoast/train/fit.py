@@ -14,14 +14,12 @@ with the run's checkpoint folder in `checkpoint/_run.py`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Literal, cast
 
 import equinox as eqx
@@ -34,37 +32,31 @@ from jaxtyping import PyTree
 from .._progress import compiling
 from ..checkpoint._io import step_checkpoint_path
 from ..checkpoint._run import Checkpointing as Checkpointing
-from ..parallel._context_parallel import ContextParallel
 from ..parallel._parallelism import ContextOption, SequenceOption, check_options
-from ..parallel.mesh import make_mesh, mesh_shape
-from ..parallel.place import model_mesh
 from ._evaluator import evaluator as _evaluator
 from ._fit_data import epochs as _epochs
 from ._fit_data import total_steps as _total_steps
 from ._fit_hooks import fit_hooks as _hooks
 from ._fit_setup import check_options as _check_options
 from ._fit_setup import hand_over as _hand_over
+from ._fit_setup import held, run_of, sinks, step_of
 from ._fit_setup import start as _start
 from ._resume import Run as _Run
 from ._signals import stop_requests as _stop_requests
 from .data import Batch, CollateFn, Examples, global_batch_size
 from .evaluate import Evaluation
 from .logging import (
-    STEP_TOKENS,
     Logger,
     MetricsBuffer,
     ProgressBar,
     close_loggers,
     describe_speed,
-    jsonl_logger,
     median_speed,
 )
 from .loop import Hook, LoopState, always, run_loop
-from .step import LossFn, donating_jit, train_step
-from .throughput import peak_flops, step_flops, step_tokens
+from .step import LossFn, donating_jit
+from .throughput import peak_flops, step_flops
 from .trainable import Trainable
-from .workdir import claim_workdir as _claim_workdir
-from .workdir import hold_workdir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,18 +160,6 @@ def _keep_state(err: BaseException, start: LoopState, lead: bool) -> None:
         )
     if lead and isinstance(err, Exception):
         err.add_note(f"redcoast: fit stopped by this error; {where}.")
-
-
-def _run_step(core: Callable[..., Any], count: Callable[..., Any]) -> Callable[..., Any]:
-    """The step of a run: `(model, opt_state, batch, key, step)`, the key folded in inside,
-    its metrics with the tokens it learnt from (`count(batch, metrics)`, if any)."""
-
-    def step(m: Any, o: Any, b: Any, k: Any, s: Any) -> tuple[Any, Any, dict[str, Any]]:
-        m, o, metrics = core(m, o, b, jax.random.fold_in(k, s))
-        tokens = count(b, metrics)
-        return m, o, metrics if tokens is None else {**metrics, STEP_TOKENS: tokens}
-
-    return step
 
 
 def _evaluation_of(
@@ -331,7 +311,6 @@ def fit(
     optimizer: optax.GradientTransformation,
     train_examples: Examples | Callable[[int], Examples],
     *,
-    # What one step computes.
     collate_fn: CollateFn,
     loss_fn: LossFn,
     per_device_batch_size: int,
@@ -339,10 +318,8 @@ def fit(
     trainable: Trainable = None,
     precision: str = "fp32",
     on_nonfinite: Literal["raise", "skip"] = "raise",
-    # How long.
     n_epochs: int | None = None,
     max_steps: int | None = None,
-    # Where: the devices, the split, and whose arrays.
     mesh: Mesh | None = None,
     fsdp: bool = False,
     sequence_parallel: SequenceOption = False,
@@ -351,13 +328,11 @@ def fit(
     opt_state: PyTree | None = None,
     donate: bool = False,
     seed: int = 0,
-    # The run's folder: evaluation, checkpoints, resuming.
     workdir: str | os.PathLike[str] | None = None,
     evaluation: Evaluation | None = None,
     checkpointing: Checkpointing | None = None,
     resume: bool = False,
     overwrite: bool = False,
-    # What it reports, and what else runs between steps.
     log_every: int = 10,
     loggers: Sequence[Logger] = (),
     progress: bool = True,
@@ -511,31 +486,17 @@ def fit(
         ...              checkpointing=Checkpointing(every=500, keep_last_n=3))
         >>> result.history["eval"][-1]["eval_accuracy"]
     """
-    # One straight sequence, each stage a helper of its own: check every option, hold
-    # the workdir, read the first batch, place the model, build the step and the loop,
-    # train. Its length is the passing of fit's options to the stage that reads each.
     started = time.perf_counter()
+    how: dict[str, Any] = {"precision": precision, "data_parallel": data_parallel}
     options = (n_epochs, max_steps, log_every, on_nonfinite, workdir, checkpointing)
-    how = {"precision": precision, "data_parallel": data_parallel, "fsdp": fsdp}
-    _check_options(*options, resume=resume, overwrite=overwrite, **how)
+    _check_options(*options, resume=resume, overwrite=overwrite, fsdp=fsdp, **how)
     check_options(sequence_parallel, context_parallel)
-    mesh = mesh or model_mesh(model) or make_mesh(1)
-    context = ContextParallel(mesh) if context_parallel is True else context_parallel or None
-    size = global_batch_size(
-        mesh, per_device_batch_size, accumulate_grad_batches, split_rows=context is None
+    run = run_of(
+        model, mesh, context_parallel, workdir, seed, per_device_batch_size, accumulate_grad_batches
     )
-    root = None if workdir is None else os.fspath(workdir)
-    lead = jax.process_index() == 0
-    run = _Run(mesh, size, seed, jax.random.key(seed), root, lead, context=context)
     # Every option is checked before the workdir is touched; from here on it is held.
-    with contextlib.ExitStack() as holding:
-        still_held = None if root is None else holding.enter_context(hold_workdir(root))
-        if root is not None:
-            _claim_workdir(root, overwrite=overwrite, lead=run.lead, resume=resume)
-        first, epoch_batches, data = _epochs(
-            train_examples, collate_fn=collate_fn, run=run, size=size, seed=seed
-        )
-        run = dataclasses.replace(run, data=data)
+    with held(run, overwrite=overwrite, resume=resume) as still_held:
+        first, epoch_batches, run = _epochs(train_examples, collate_fn=collate_fn, run=run)
         run, state, history, mask = _start(
             (model, opt_state),
             optimizer,
@@ -548,38 +509,20 @@ def fit(
             evaluation=evaluation,
             resume=resume,
         )
-        step = _run_step(
-            train_step(
-                loss_fn,
-                optimizer,
-                accumulate_grad_batches=accumulate_grad_batches,
-                mesh=mesh,
-                data_parallel=data_parallel,
-                schedule=schedule,
-                skip_nonfinite=on_nonfinite == "skip",
-                precision=precision,
-                trainable=mask,
-                parallelism=run.parallelism,
-                jit=False,
-            ),
-            functools.partial(
-                step_tokens,
-                micro_batches=accumulate_grad_batches,
-                data_shards=mesh_shape(mesh)[0] if data_parallel == "shard_map" else 1,
-            ),
+        step = step_of(
+            loss_fn, optimizer, run, mask, accumulate_grad_batches, schedule, on_nonfinite, **how
         )
-        metrics_file = Path(root or ".", "metrics.jsonl")
         loop = _Loop(
             n_epochs=n_epochs,
             max_steps=max_steps,
-            total=_total_steps(train_examples, n_epochs, max_steps, size),
+            total=_total_steps(train_examples, n_epochs, max_steps, run.size),
             on_nonfinite=on_nonfinite,
             log_every=log_every,
-            sinks=[*loggers] if root is None else [jsonl_logger(metrics_file), *loggers],
+            sinks=sinks(run.root, loggers),
             progress=progress,
             hooks=hooks,
             checkpointing=checkpointing or Checkpointing(),
-            still_held=still_held or (lambda: None),
+            still_held=still_held,
             evaluate=_evaluation_of(
                 run, evaluation, loss_fn, collate_fn, per_device_batch_size, precision=precision
             ),
