@@ -241,7 +241,40 @@ def test_the_cli_plans_context_parallelism(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["layout"]["context_parallel"] is True
 
 
-@pytest.mark.slow  # the planner's refusals of context parallelism are its fast siblings
+def test_the_search_tries_every_layout_without_context_parallelism_first(monkeypatch) -> None:
+    """The search's order, with each layout's compiled figures replaced by one plan's
+    (compiling every layout at 512 tokens takes minutes: the exhaustive test below)."""
+    from redcoast.plan import planner
+
+    one = rc.memory_plan(SMALL, devices=8, seq_len=32, max_batch=False)
+    measured = []
+
+    def measure(job, layout, budget):
+        measured.append(layout)
+        peak = budget if layout.context_parallel else budget + 1
+        return dataclasses.replace(one, layout=layout, peak=peak, device_memory=budget)
+
+    monkeypatch.setattr(planner, "_measure", measure)
+    found = rc.memory_plan(
+        CONTEXT,
+        devices=8,
+        seq_len=512,
+        context_parallel=True,
+        device_memory="1GB",
+        search=True,
+        max_batch=False,
+    )
+    assert found.fits and found.layout.context_parallel
+    flags = [layout.context_parallel for layout in measured]
+    # Every layout without it (1, 2 or 4 shards of 4 heads, with 2 and 4 also with SP,
+    # each with and without FSDP, under four remats), then the first with it, which fits.
+    assert flags == [False] * (len(flags) - 1) + [True] and len(flags) == 4 * 10 + 1
+    assert len({str(layout) for layout in measured}) == len(measured)
+    assert [layout for layout, _ in found.tried] == [str(x) for x in measured[:-1]]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # its order, without the compiling, is the fast test above
 def test_the_search_tries_context_parallelism_after_every_layout_without_it() -> None:
     split = rc.memory_plan(CONTEXT, devices=8, seq_len=512, context_parallel=True, max_batch=False)
     found = rc.memory_plan(
