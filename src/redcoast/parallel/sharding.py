@@ -51,6 +51,7 @@ from ._placement import abstract_arrays as abstract_arrays
 from ._placement import check_spec
 from ._placement import optimizer_specs as optimizer_specs
 from ._placement import sharding_tree as sharding_tree
+from ._quantized import stand_ins, translated
 from ._sharding_plan import LeafPlan as LeafPlan
 from ._sharding_plan import ShardingPlan as ShardingPlan
 from ._tp_rules import COL as COL
@@ -150,6 +151,11 @@ def sharding_plan(
     _check_n(fsdp, "fsdp")
     n = int(n_model_shards)
     model = abstract_arrays(model)
+    stand_in, quantized = stand_ins(model)
+    if quantized:
+        # Planned as the Linears they stand for; their codes and scales follow.
+        plan = sharding_plan(stand_in, n, example_call=example_call, overrides=overrides, fsdp=fsdp)
+        return translated(plan, model, quantized, {MODEL: n, DATA: int(fsdp)})
     leaves = array_leaves(model)
     if not leaves:
         raise ValueError(
