@@ -12,6 +12,7 @@ import pytest
 from scipy.stats import norm
 
 import redcoast as rc
+from redcoast.checkpoint._io import checkpoint_state
 
 # Dettmers et al. 2023 (QLoRA), Appendix E: the NF4 data type's 16 values.
 PAPER_NF4 = [
@@ -389,3 +390,101 @@ def test_sharded_qlora_step_of_a_users_mlp_equals_one_device():
     assert tuple(got.inp.base.codes.sharding.spec)[:1] == ("model",)
     assert tuple(got.hidden.base.codes.sharding.spec) == (None, "model")
     assert tuple(got.hidden.base.absmax_codes.sharding.spec) == (None, "model")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _toy(n):
+    x = np.random.default_rng(0).normal(size=(n, 64)).astype(np.float32)
+    return [{"x": a, "y": int(a[0] * a[1] > 0)} for a in x]
+
+
+def _collate(examples):
+    return {"x": np.stack([e["x"] for e in examples]), "y": np.array([e["y"] for e in examples])}
+
+
+def _loss(model, batch, key):
+    logits = jax.vmap(model)(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _qlora_mlp(seed=0, fmt="nf4"):
+    model = rc.quantize(MLP(key=jax.random.key(seed)), ["inp", "hidden"], fmt)
+    return rc.lora.apply(model, ["inp", "hidden"], rank=4, key=jax.random.key(1))
+
+
+def _fit(model, **kw):
+    return rc.fit(
+        model,
+        optax.adamw(1e-2),
+        _toy(64),
+        collate_fn=_collate,
+        loss_fn=_loss,
+        per_device_batch_size=2,
+        progress=False,
+        trainable=rc.lora.trainable(model),
+        **kw,
+    )
+
+
+def test_a_qlora_run_resumes_step_exactly_and_refuses_another_base(tmp_path):
+    straight = _fit(_qlora_mlp(), max_steps=6)
+    _fit(_qlora_mlp(), max_steps=3, workdir=tmp_path)
+    state = checkpoint_state(tmp_path / "ckpts" / "step_00000003")
+    # The checkpoint holds the adapters; the quantized base only as its fingerprint,
+    # codes included (2 layers x 4 arrays + 3 biases + out's weight).
+    assert sorted(state["checksums"]["model"]) == sorted(
+        f"{layer}.lora_{ab}.weight" for layer in ("inp", "hidden") for ab in "ab"
+    )
+    assert state["loop"]["frozen"]["arrays"] == 12
+    resumed = _fit(_qlora_mlp(), max_steps=6, workdir=tmp_path, resume=True)
+    assert resumed.step == 6
+    chex.assert_trees_all_equal(
+        eqx.filter(resumed.model, eqx.is_array), eqx.filter(straight.model, eqx.is_array)
+    )
+    for other in (_qlora_mlp(seed=2), _qlora_mlp(fmt="int8")):
+        with pytest.raises(ValueError, match="trained on another frozen base"):
+            _fit(other, max_steps=6, workdir=tmp_path, resume=True)
+
+
+# ----------------------------------------------------------------------------- from_hf
+
+
+@pytest.mark.parametrize("scan_layers", [pytest.param(True, marks=pytest.mark.slow), False])
+def test_from_hf_quantizes_each_layer_weight_as_it_is_read(tmp_path, scan_layers):
+    model = _llama(scan_layers=scan_layers)
+    model.to_hf(tmp_path)
+    loaded = rc.models.from_hf(tmp_path, quantize="nf4", scan_layers=scan_layers)
+    want = rc.quantize(model, PROJECTIONS, "nf4")
+    # The head and the table stay as they were; every projection of the layers is NF4.
+    assert type(loaded.lm_head) is eqx.nn.Linear
+    found = [
+        x
+        for x in jax.tree.leaves(loaded, is_leaf=lambda x: isinstance(x, rc.quant.NF4Linear))
+        if isinstance(x, rc.quant.NF4Linear)
+    ]
+    assert len(found) == len(PROJECTIONS) * (1 if scan_layers else 2)
+    # (config.json adds its dtype to the config: compare the arrays.)
+    chex.assert_trees_all_equal(
+        jax.tree.leaves(eqx.filter(loaded, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(want, eqx.is_array)),
+    )
+    with pytest.raises(ValueError, match="unknown quantization format 'fp4'"):
+        rc.models.from_hf(tmp_path, quantize="fp4")
+
+
+def test_from_hf_quantized_onto_a_mesh_is_placed_as_the_rules_say(tmp_path):
+    model = _llama()
+    model.to_hf(tmp_path)
+    mesh = rc.make_mesh(2)
+    loaded = rc.models.from_hf(tmp_path, quantize="nf4", scan_layers=True, mesh=mesh)
+    plan = rc.sharding_plan(
+        rc.quantize(model, PROJECTIONS, "nf4"), 2, example_call=rc.models.Llama.trace_call
+    )
+    specs = {leaf.path: leaf.spec for leaf in plan.leaves}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(loaded, eqx.is_array)):
+        key = ".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path)
+        assert leaf.sharding.spec == specs[key], key
+    down = loaded.blocks.mlp.down_proj
+    assert tuple(down.codes.sharding.spec)[-1] == "model"

@@ -20,7 +20,17 @@ from ..nn import AbstractProjection, AbstractQuantized, AbstractTable
 from ..nn._remat import PROJECTION
 from . import _formats
 
-__all__ = ["FORMATS", "Format", "Int8Linear", "NF4Linear", "QuantTargets", "quantize", "quantized"]
+__all__ = [
+    "FORMATS",
+    "Format",
+    "Int8Linear",
+    "NF4Linear",
+    "QuantTargets",
+    "check_format",
+    "quantize",
+    "quantized",
+    "quantized_weight",
+]
 
 Format = Literal["nf4", "int8"]
 FORMATS: tuple[str, ...] = ("nf4", "int8")
@@ -219,22 +229,25 @@ class Int8Linear(_Quantized):
 
 
 def quantized(linear: eqx.nn.Linear, format: str, path: str = "the Linear") -> _Quantized:
-    """`linear` (weight `(*layers, out, in)`) quantized to `format`.
+    """`linear` (weight `(*layers, out, in)`) quantized to `format`, its bias kept.
 
     Raises:
         ValueError: an unknown format, or for NF4 an input dimension that is not a
             multiple of the block of 64.
     """
+    return quantized_weight(linear.weight, format, bias=linear.bias, path=path)
+
+
+def quantized_weight(
+    w: Array | np.ndarray, format: str, *, bias: Array | None = None, path: str = "the Linear"
+) -> _Quantized:
+    """The quantized Linear of weight `w` `(*layers, out, in)` and `bias` (see `quantized`)."""
     check_format(format)
-    w = linear.weight
     *layers, n_out, n_in = w.shape
-    bias = linear.bias
-    dtype = jnp.dtype(w.dtype).name
+    shapes = {"in_features": n_in, "out_features": n_out, "dtype": jnp.dtype(w.dtype).name}
     if format == "int8":
         codes, scale = jax.jit(_mapped(_formats.quantize_int8, len(layers)))(w)
-        return Int8Linear(
-            bias=bias, in_features=n_in, out_features=n_out, dtype=dtype, codes=codes, scale=scale
-        )
+        return Int8Linear(bias=bias, codes=codes, scale=scale, **shapes)
     if n_in % _formats.NF4_BLOCK:
         raise ValueError(
             f"{path} has input dimension {n_in} (weight {tuple(w.shape)}), not a multiple of "
@@ -246,13 +259,11 @@ def quantized(linear: eqx.nn.Linear, format: str, path: str = "the Linear") -> _
     )(w)
     return NF4Linear(
         bias=bias,
-        in_features=n_in,
-        out_features=n_out,
-        dtype=dtype,
         codes=codes,
         absmax_codes=absmax_codes,
         absmax_scale=absmax_scale,
         offset=offset,
+        **shapes,
     )
 
 
