@@ -488,3 +488,41 @@ def test_from_hf_quantized_onto_a_mesh_is_placed_as_the_rules_say(tmp_path):
         assert leaf.sharding.spec == specs[key], key
     down = loaded.blocks.mlp.down_proj
     assert tuple(down.codes.sharding.spec)[-1] == "model"
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+@pytest.mark.slow  # the CLI's refusal below is the fast sibling
+def test_a_qlora_plan_counts_the_quantized_base():
+    config = rc.models.LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    plan = rc.memory_plan(
+        config, devices=1, seq_len=16, max_batch=False, lora_rank=2, quantize="nf4"
+    )
+    assert "frozen weights nf4 (projections)" in str(plan)
+    table_and_head = 256 * 256
+    projections = plan.n_params - plan.n_trainable - 2 * table_and_head - 256 * 3  # the norms
+    # The table and head in bfloat16, the projections in 4.13 bits, the adapters in fp32.
+    adapters = 4 * plan.n_trainable
+    want = 2 * (2 * table_and_head + 256 * 3) + projections * 4.127 / 8 + adapters
+    # The weights the codes stand for, and the adapters.
+    assert plan.n_params == 787_200 + plan.n_trainable
+    assert abs(plan.params - want) < 0.02 * want, (plan.params, want)
+
+
+def test_cli_refuses_a_quantized_plan_without_adapters():
+    from click.testing import CliRunner
+
+    from redcoast.cli import main
+
+    bad = CliRunner().invoke(main, ["plan", "gpt2", "--quantize", "nf4"])
+    assert bad.exit_code != 0 and "quantize need lora_rank > 0" in bad.output
+    assert "Traceback" not in bad.output

@@ -69,7 +69,7 @@ class _Quantized(AbstractQuantized):
     out_features: int = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
 
-    def _arrays(self) -> tuple[Array, ...]:
+    def _arrays(self) -> tuple[Any, ...]:
         raise NotImplementedError
 
     @staticmethod
@@ -160,7 +160,7 @@ class NF4Linear(_Quantized):
     absmax_scale: Array
     offset: Array
 
-    def _arrays(self) -> tuple[Array, ...]:
+    def _arrays(self) -> tuple[Any, ...]:
         return (self.codes, self.absmax_codes, self.absmax_scale, self.offset)
 
     @staticmethod
@@ -208,7 +208,7 @@ class Int8Linear(_Quantized):
     codes: Array
     scale: Array
 
-    def _arrays(self) -> tuple[Array, ...]:
+    def _arrays(self) -> tuple[Any, ...]:
         return (self.codes, self.scale)
 
     @staticmethod
