@@ -23,8 +23,11 @@ overrides are fixed before the rules run, so what reads an overridden weight
 follows from it; stacked experts take one expert axis per mixture, expert-
 parallel or Megatron within experts, by estimated cost; a size that does not
 divide falls back to the other dimension only when that saves more bytes than it
-moves, a collective's latency counted; vectors added to a matmul's output split with it. Every
-fallback, default or guess is listed as a note at the end of the plan.
+moves, a collective's latency counted; vectors added to a matmul's output split with it. A
+quantized Linear (`rc.quantize`) is planned as the Linear it stands for, its codes and block
+scales split with that weight's rows, and with its columns only where whole blocks fall to
+each shard (`_quantized.py`). Every fallback, default or guess is listed as a note at the
+end of the plan.
 
 Here the plan is put together: overrides, the rules' decisions (`_tp_rules.py`, on
 what `_model_structure.py` reads from the modules), FSDP's data axis and the

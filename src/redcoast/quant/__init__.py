@@ -32,6 +32,7 @@ from ._layers import Int8Linear as Int8Linear
 from ._layers import NF4Linear as NF4Linear
 from ._layers import QuantTargets as QuantTargets
 from ._layers import check_format as check_format
+from ._layers import dequantize as dequantize
 from ._layers import quantize as quantize
 from ._layers import quantized as quantized
 from ._layers import quantized_weight as quantized_weight

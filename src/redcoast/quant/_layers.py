@@ -27,6 +27,7 @@ __all__ = [
     "NF4Linear",
     "QuantTargets",
     "check_format",
+    "dequantize",
     "quantize",
     "quantized",
     "quantized_weight",
@@ -357,3 +358,24 @@ def quantize(model: PyTree, targets: QuantTargets, format: str = "nf4") -> PyTre
         quantized(x, format, p) if pick else x for (p, x), pick in zip(found, chosen, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def dequantize(model: PyTree, dtype: DTypeLike | None = None) -> PyTree:
+    """`model` with every quantized Linear decoded back to a plain `eqx.nn.Linear`.
+
+    Args:
+        model: a model with `NF4Linear` or `Int8Linear` layers (a LoRA adapter's
+            base among them: `rc.lora.merge` folds the adapters in as well).
+        dtype: of the decoded weights; by default each weight's dtype before
+            quantization.
+
+    Returns:
+        The same model with plain Linears where quantized ones were.
+
+    Example:
+        >>> plain = rc.quant.dequantize(model)
+    """
+    is_quantized = lambda x: isinstance(x, AbstractQuantized)  # noqa: E731
+    return jax.tree.map(
+        lambda x: x.dequantized(dtype) if is_quantized(x) else x, model, is_leaf=is_quantized
+    )
