@@ -561,3 +561,14 @@ def test_a_scanned_stack_decodes_one_layer_at_a_time(fmt):
     # its matmul, forward and again backward, and never kept as a residual.
     assert stacked not in program.as_text()
     assert program.memory_analysis().temp_size_in_bytes < 2 * width * width * 4
+
+
+def test_bf16_compute_keeps_the_quantized_format():
+    model = _qlora_mlp()
+    half = rc.cast(model, jnp.bfloat16)
+    assert half.inp.lora_a.weight.dtype == jnp.bfloat16
+    chex.assert_trees_all_equal(half.inp.base, model.inp.base)  # codes and float32 scales
+    x = jax.random.normal(jax.random.key(2), (5, 64))
+    got = jax.vmap(half)(x.astype(jnp.bfloat16))
+    assert got.dtype == jnp.bfloat16
+    chex.assert_trees_all_close(got.astype(jnp.float32), jax.vmap(model)(x), atol=0.05, rtol=0.05)
