@@ -472,6 +472,14 @@ def test_from_hf_quantizes_each_layer_weight_as_it_is_read(tmp_path, scan_layers
     )
     with pytest.raises(ValueError, match="unknown quantization format 'fp4'"):
         rc.models.from_hf(tmp_path, quantize="fp4")
+    with pytest.raises(ValueError, match=r"are quantized; .* rc.quant.dequantize\(model\)"):
+        loaded.to_hf(tmp_path / "out")
+    rc.quant.dequantize(loaded).to_hf(tmp_path / "out")
+    again = rc.models.from_hf(tmp_path / "out", scan_layers=scan_layers)
+    chex.assert_trees_all_equal(
+        jax.tree.leaves(eqx.filter(again, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(rc.quant.dequantize(loaded), eqx.is_array)),
+    )
 
 
 def test_from_hf_quantized_onto_a_mesh_is_placed_as_the_rules_say(tmp_path):

@@ -311,6 +311,10 @@ def _quantized(
     )
 
 
+def _is_quantized(x: Any) -> bool:
+    return isinstance(x, AbstractQuantized)
+
+
 def _with_biases(model: PyTree) -> PyTree:
     """Each Linear whose weight was quantized replaced by its quantized Linear, bias kept."""
 
@@ -407,6 +411,15 @@ def _check_model_type(values: Mapping[str, Any], cls: Any, folder: Path) -> None
 
 def save(model: Any, path: str | Path) -> None:
     """Write `model` as a folder `transformers` loads (see `to_hf`)."""
+    quantized = [
+        p for p, x in leaves_with_paths(model, _is_quantized) if isinstance(x, AbstractQuantized)
+    ]
+    if quantized:
+        raise ValueError(
+            f"{quantized[:4]}{' ...' if len(quantized) > 4 else ''} are quantized; a transformers "
+            "folder holds float weights. Decode them first: rc.quant.dequantize(model), or "
+            "rc.lora.merge(model) for adapters on a quantized base."
+        )
     folder = Path(path)
     arrays = dict(array_leaves(model))
     tensors: dict[str, np.ndarray] = {}
