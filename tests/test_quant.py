@@ -346,12 +346,17 @@ def test_sharded_qlora_step_equals_one_device(fsdp):
 
 
 def test_a_block_never_straddles_shards():
-    # o_proj reads 128 features: two blocks of 64, which 4 shards would cut.
-    plan = rc.sharding_plan(_qlora(_llama()), 4, example_call=lambda m: jax.vmap(m)(IDS))
-    specs = {leaf.path: tuple(leaf.spec) for leaf in plan.leaves}
-    assert specs["blocks.attn.o_proj.codes"] == ()
-    assert any("blocks.attn.o_proj: input dimension 128 is 2 blocks of 64" in n for n in plan.notes)
-    assert specs["blocks.mlp.gate_proj.codes"] == (None, "model")
+    # hidden reads 128 features, split on its input by the rules: two blocks of 64,
+    # whole on 2 shards, kept whole (and said so) on 4; inp's rows split either way.
+    model = rc.quantize(MLP(key=jax.random.key(0)), ["inp", "hidden"], "nf4")
+    x = jnp.ones((2, 64))
+    for n, hidden in ((2, (None, "model")), (4, ())):
+        plan = rc.sharding_plan(model, n, example_call=lambda m: jax.vmap(m)(x))
+        specs = {leaf.path: tuple(leaf.spec) for leaf in plan.leaves}
+        assert specs["hidden.codes"] == hidden and specs["hidden.absmax_codes"] == hidden
+        assert specs["inp.codes"] == specs["inp.absmax_codes"] == ("model",)
+        assert specs["inp.absmax_scale"] == specs["inp.offset"] == ()
+    assert any("hidden: input dimension 128 is 2 blocks of 64" in n for n in plan.notes)
 
 
 def _mlp_step(model, mesh):
@@ -482,6 +487,7 @@ def test_from_hf_quantizes_each_layer_weight_as_it_is_read(tmp_path, scan_layers
     )
 
 
+@pytest.mark.slow  # from_hf without a mesh above is the fast sibling
 def test_from_hf_quantized_onto_a_mesh_is_placed_as_the_rules_say(tmp_path):
     model = _llama()
     model.to_hf(tmp_path)
