@@ -91,6 +91,17 @@ DYNAMIC_CODE = dynamic_map()
 """The signed 8-bit dynamic code of the second quantization level."""
 
 
+def _select16(idx: Array, code: np.ndarray) -> Array:
+    """`code[idx]` for a 16-level code, as a tree of selects on the index's bits (as
+    bitsandbytes' kernels decode NF4): elementwise, so it fuses into whatever reads
+    it, where a gather from the table is a separate, slower op on TPUs."""
+    levels = [jnp.float32(v) for v in code]
+    for bit in range(4):
+        on = (idx & (1 << bit)) != 0
+        levels = [jnp.where(on, hi, lo) for lo, hi in zip(levels[0::2], levels[1::2], strict=True)]
+    return levels[0]
+
+
 def _nearest(x: Array, code: np.ndarray) -> Array:
     """The index of the level of the sorted `code` nearest to each value of `x`."""
     mids = jnp.asarray((code[1:] + code[:-1]) / 2)
@@ -159,7 +170,7 @@ def dequantize_nf4(
     """The weight `(out, in)` in `dtype` from `quantize_nf4`'s arrays (products in float32)."""
     n_out, half = codes.shape
     idx = jnp.stack([codes >> 4, codes & 0xF], axis=-1).reshape(n_out, half * 2)
-    values = jnp.asarray(NF4_CODE)[idx].reshape(n_out, -1, NF4_BLOCK)
+    values = _select16(idx, NF4_CODE).reshape(n_out, -1, NF4_BLOCK)
     absmax = nf4_absmax(absmax_codes, absmax_scale, offset)
     return (values * absmax[..., None]).reshape(n_out, half * 2).astype(dtype)
 
