@@ -294,10 +294,23 @@ def test_no_full_precision_weight_lives_in_the_compiled_step():
         for path, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(base, eqx.is_array))
         if any(p in jax.tree_util.keystr(path) for p in PROJECTIONS)
     )
-    # Decoding adds at most one layer's float32 weights to the step's temporaries (all
-    # layers' would add 6 times that).
-    extra = quant.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
-    assert extra <= per_layer, (extra, per_layer)
+    # The decoding's temporaries are one layer's, whatever XLA fuses: 3 more layers add
+    # to them what they add to the plain step's (the activations kept for the backward
+    # pass), within one layer's float32 weights; a kept decoded stack would add 3.
+
+    def growth(make):
+        small, large = make(_llama(layers // 2)), make(base)
+        return (
+            large.memory_analysis().temp_size_in_bytes - small.memory_analysis().temp_size_in_bytes
+        )
+
+    lora = lambda m: _compiled_step(  # noqa: E731
+        _nonzero_b(
+            rc.lora.apply(m, ["q_proj", "v_proj", "down_proj"], rank=4, key=jax.random.key(1))
+        )
+    )
+    extra = growth(lambda m: _compiled_step(_qlora(m))) - growth(lora)
+    assert abs(extra) < per_layer, (extra, per_layer)
     assert (
         quant.memory_analysis().argument_size_in_bytes
         < 0.25 * plain.memory_analysis().argument_size_in_bytes
