@@ -8,7 +8,8 @@ and its BPE tokenizer pretrained on Python's documentation (built once into
 `_pretrained.py` and `redcoast pretrained`) are fine-tuned on another domain that
 ships with Python, the standard library's own source code (`--lora-table-rank 2`,
 `--lora-rank R`: LoRA adapters only, on the token table that the head is tied to
-and on every projection, merged before writing). Prints held-out perplexity before
+and on every projection, merged before writing; `--quantize nf4` stores the frozen
+projections in QLoRA's 4-bit NormalFloat as they are read). Prints held-out perplexity before
 and after, optimizer state and a sample (of `--prompt`, else the held-out data's
 start), and writes the model and tokenizer with `to_hf`.
 """
@@ -52,6 +53,7 @@ def main(
     learning_rate: float = 1e-3,
     lora_rank: int = 0,
     lora_table_rank: int = 0,
+    quantize: str | None = None,
     eval_rows: int = 128,
     prompt: str = "",
     base_dir: str = "runs/finetune/base",
@@ -75,6 +77,9 @@ def main(
         lora_rank: above 0, LoRA adapters of this rank on every projection.
         lora_table_rank: above 0, a LoRA adapter of this rank on the token table
             (GPT-2's head reads it too). With either, only the adapters train.
+        quantize: with --lora-rank, `nf4` (QLoRA) or `int8`: the frozen projections
+            quantized as they are read (`from_hf(..., quantize=)`); perplexity before
+            is the quantized base's.
         eval_rows: held-out rows (the end of the data) for the perplexity.
         prompt: the sample's prompt; default: the start of the held-out data (a
             function header for the standard library's source).
@@ -97,14 +102,18 @@ def main(
     else:  # the standard library's modules (a few test files hold invalid UTF-8 on purpose)
         files = [p for p in sorted(source.glob("**/*.py")) if "site-packages" not in p.parts]
         tokens = rc.text.tokenize(files, folder, cache, errors="replace")
+    if quantize and not lora_rank:
+        raise ValueError("--quantize stores a frozen base: train adapters on it (--lora-rank R).")
     mesh = rc.make_mesh(n_model_shards)
-    net = rc.models.from_hf(folder, mesh=mesh, fsdp=fsdp)
+    net = rc.models.from_hf(folder, mesh=mesh, fsdp=fsdp, quantize=quantize)
     rows = (rc.text.padded if source.suffix == ".jsonl" else rc.text.packed)(
         tokens, seq_len, model=net
     )
     train, held_out = rows[: len(rows) - eval_rows], rows[len(rows) - eval_rows :]
     before = perplexity(net, held_out, mesh, per_device_batch_size)
-    full = eqx.filter(net, eqx.is_inexact_array)
+    # Every weight as full fine-tuning trains it (a quantized one decoded: shapes only).
+    plain = eqx.filter_eval_shape(rc.quant.dequantize, net)
+    full = eqx.filter(plain, lambda x: isinstance(x, jax.ShapeDtypeStruct) and x.dtype.kind == "f")
     lora = bool(lora_rank or lora_table_rank)
     if lora_rank:  # every Linear: the attention and MLP projections (GPT-2 ties its head)
         net = rc.lora.apply(net, lambda *_: True, rank=lora_rank, key=jax.random.key(1))
@@ -151,7 +160,8 @@ def main(
             shutil.copy(folder / name, Path(output) / name)
     print(f"wrote {output}: transformers' AutoModelForCausalLM and AutoTokenizer open it")
     gain = {"perplexity_before": before, "perplexity_after": after, "ratio": after / before}
-    return gain | {"opt_state": mb / full_mb}
+    step_s = rc.median_speed(result.history["train"]).get("step_s", float("nan"))
+    return gain | {"opt_state": mb / full_mb, "step_s": step_s}
 
 
 if __name__ == "__main__":

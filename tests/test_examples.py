@@ -98,9 +98,13 @@ def test_every_example_has_a_smoke_test():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("data", "lora_rank"), [("text", 0), ("jsonl", 0), ("text", 4)], ids=["text", "jsonl", "lora"]
+    ("data", "lora_rank", "quantize"),
+    [("text", 0, None), ("jsonl", 0, None), ("text", 4, None), ("text", 4, "int8")],
+    ids=["text", "jsonl", "lora", "qlora"],  # the tiny base's 32 features: int8, not NF4's 64
 )
-def test_finetune_hands_back_a_folder_transformers_generates_from(data, lora_rank, tmp_path):
+def test_finetune_hands_back_a_folder_transformers_generates_from(
+    data, lora_rank, quantize, tmp_path
+):
     transformers = pytest.importorskip("transformers")
     base = tiny_gpt2(tmp_path / "base")
     if data == "text":
@@ -118,6 +122,8 @@ def test_finetune_hands_back_a_folder_transformers_generates_from(data, lora_ran
     args += ["--output", str(out), "--metrics-json", str(metrics), "--lora-rank", str(lora_rank)]
     if lora_rank:  # the tied token table too: merged, transformers reads it as its head
         args += ["--lora-table-rank", "2"]
+    if quantize:  # a quantized base, decoded by the merge before writing
+        args += ["--quantize", quantize]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "held-out perplexity" in result.output and "sample:" in result.output
@@ -126,7 +132,7 @@ def test_finetune_hands_back_a_folder_transformers_generates_from(data, lora_ran
         assert re.search(r"sample: [\"']\d+ \+ \d+ =", result.output), result.output
     assert "def read_file(path)" not in result.output
     found = json.loads(metrics.read_text())
-    assert set(found) == {"perplexity_before", "perplexity_after", "ratio", "opt_state"}
+    assert set(found) == {"perplexity_before", "perplexity_after", "ratio", "opt_state", "step_s"}
     assert found["perplexity_after"] < found["perplexity_before"]
     # With LoRA, AdamW keeps state for the adapters only; the merged model is plain.
     assert (found["opt_state"] < 0.5) if lora_rank else (found["opt_state"] == 1.0)

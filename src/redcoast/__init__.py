@@ -10,6 +10,7 @@ from . import distributed as distributed
 from . import lora as lora
 from . import models as models
 from . import nn as nn
+from . import quant as quant
 from . import text as text
 from .checkpoint._io import Checkpoint as Checkpoint
 from .checkpoint._io import CheckpointError as CheckpointError
@@ -34,6 +35,7 @@ from .parallel.sharding import sharding_report as sharding_report
 from .parallel.sharding import sharding_rules as sharding_rules
 from .plan.planner import MemoryPlan as MemoryPlan
 from .plan.planner import PlannedModel as PlannedModel
+from .quant import quantize as quantize
 from .train import preference as preference
 from .train.data import Batch as Batch
 from .train.data import batches as batches

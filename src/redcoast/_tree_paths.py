@@ -6,6 +6,7 @@ and override weights by it, checkpoints key their tensors by it, and trainable
 and LoRA filters match globs against it.
 """
 
+import fnmatch
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-__all__ = ["array_leaves", "leaves_with_paths", "path_str"]
+__all__ = ["array_leaves", "glob_matches", "leaves_with_paths", "path_str"]
 
 
 def _key_str(key: Any) -> str:
@@ -39,3 +40,9 @@ def leaves_with_paths(
 def array_leaves(tree: PyTree) -> list[tuple[str, Any]]:
     """The array leaves of `tree` (`eqx.is_array`), each with its dotted path."""
     return leaves_with_paths(eqx.filter(tree, eqx.is_array))
+
+
+def glob_matches(path: str, glob: str) -> bool:
+    """Whether `glob` matches `path`; a bare name matches the end of a path, as PEFT's
+    `target_modules` do (`"q_proj"` matches `blocks.0.attn.q_proj`)."""
+    return fnmatch.fnmatchcase(path, glob) or fnmatch.fnmatchcase(path, "*." + glob)

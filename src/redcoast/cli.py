@@ -294,6 +294,12 @@ def run() -> None:
     help="Comma-separated globs of the Linears to adapt  [default: attention and MLP projections]",
 )
 @click.option(
+    "--quantize",
+    type=click.Choice(["nf4", "int8"]),
+    default=None,
+    help="With --lora-rank, store the frozen projections quantized (nf4: QLoRA)",
+)
+@click.option(
     "--frozen-dtype",
     type=click.Choice(["bf16", "fp16", "fp32"]),
     default=None,
@@ -326,6 +332,7 @@ def plan(
     lora_rank: int,
     lora_targets: str | None,
     frozen_dtype: str | None,
+    quantize: str | None,
     preference: str | None,
     specs: bool,
     json_path: str | None,
@@ -365,6 +372,7 @@ def plan(
                 lora_rank=lora_rank,
                 lora_targets=lora_targets,
                 frozen_dtype=frozen_dtype,
+                quantize=quantize,
                 preference=preference,
             )
         if specs:

@@ -11,6 +11,10 @@ the filter that selects the adapters (pass it as `fit(..., trainable=...)`), and
 `merge` folds them into plain Linears and tables again; `disabled` switches them off
 (the base model, from the same arrays: preference tuning's reference).
 
+The frozen Linear may be quantized first (`rc.quantize(model, targets, "nf4")`:
+QLoRA); `apply` wraps it as it wraps a Linear, `trainable` leaves its codes and
+scales frozen, and `merge` decodes it.
+
 LoRA knows nothing of sharding: the sharding rules see `lora_a` and `lora_b` as
 Linears in the dataflow, and place them with their base (see `rc.sharding_plan`).
 

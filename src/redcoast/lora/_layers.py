@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -14,8 +13,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._tree_paths import leaves_with_paths, path_str
-from ..nn import AbstractProjection, AbstractTable, dense
+from .._tree_paths import glob_matches, leaves_with_paths, path_str
+from ..nn import AbstractProjection, AbstractQuantized, AbstractTable, dense
 
 __all__ = [
     "LoRAEmbedding",
@@ -31,7 +30,7 @@ __all__ = [
     "trainable",
 ]
 
-Targets = str | Sequence[str] | Callable[[str, eqx.nn.Linear], bool]
+Targets = str | Sequence[str] | Callable[[str, eqx.nn.Linear | AbstractQuantized], bool]
 """What `apply` wraps: globs over the dotted paths of Linears and embedding tables, or
 `(path, linear) -> bool` choosing among the Linears."""
 
@@ -40,10 +39,12 @@ class LoRALinear(AbstractProjection):
     """A frozen Linear plus a trainable low-rank update: `base(x) + scale * B(A(dropout(x)))`.
 
     Stacked layers (a leading layer axis, from `eqx.filter_vmap` or `scan_layers`)
-    carry the same leading axes on `lora_a` and `lora_b`.
+    carry the same leading axes on `lora_a` and `lora_b`. The base may be quantized
+    (`rc.quant.NF4Linear`, `Int8Linear`: QLoRA), and then computes in the input's dtype.
 
     Attributes:
-        base: the wrapped Linear, weight `(out, in)`; frozen in LoRA training.
+        base: the wrapped Linear, weight `(out, in)`, or a quantized one standing for
+            it; frozen in LoRA training.
         lora_a: Linear `in -> rank` without bias, weight `(rank, in)`.
         lora_b: Linear `rank -> out` without bias, weight `(out, rank)`; zeros at
             first, so the wrapped model starts as the base model.
@@ -51,7 +52,7 @@ class LoRALinear(AbstractProjection):
         scale: `alpha / rank`.
     """
 
-    base: eqx.nn.Linear
+    base: eqx.nn.Linear | AbstractQuantized
     lora_a: eqx.nn.Linear
     lora_b: eqx.nn.Linear
     dropout: eqx.nn.Dropout
@@ -81,14 +82,23 @@ class LoRALinear(AbstractProjection):
         self, x: Float[Array, " in_features"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, " out_features"]:
         """On one input vector, as `eqx.nn.Linear`; `key` drives the dropout."""
-        # The base computes in its own dtype: a frozen bfloat16 base stays bfloat16.
-        base = self.base(x.astype(self.base.weight.dtype))
+        base = self.base(_base_input(self.base, x))
         return self._sum(base, self.lora_b(self.lora_a(self._dropped(x, key))), x)
 
     def over_tokens(self, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
         """On every row of `x` at once, through the zoo's `dense` matmuls (no dropout key)."""
-        base = dense(self.base, x.astype(self.base.weight.dtype))
+        base = dense(self.base, _base_input(self.base, x))
         return self._sum(base, dense(self.lora_b, dense(self.lora_a, self._dropped(x, None))), x)
+
+
+def _base_input(base: eqx.nn.Linear | AbstractQuantized, x: Array) -> Array:
+    # A plain base computes in its own dtype (a frozen bfloat16 base stays bfloat16);
+    # a quantized one decodes its weight in the input's dtype.
+    return x if isinstance(base, AbstractQuantized) else x.astype(base.weight.dtype)
+
+
+def _weight_shape(layer: eqx.nn.Linear | AbstractQuantized) -> tuple[int, ...]:
+    return layer.weight_shape if isinstance(layer, AbstractQuantized) else layer.weight.shape
 
 
 class LoRAEmbedding(AbstractTable):
@@ -132,7 +142,8 @@ class LoRAEmbedding(AbstractTable):
         return (base.astype(low.dtype) + self.scale * low).astype(base.dtype)
 
 
-_LAYERS = eqx.nn.Linear | AbstractProjection | eqx.nn.Embedding | AbstractTable
+_LAYERS = eqx.nn.Linear | AbstractQuantized | AbstractProjection | eqx.nn.Embedding | AbstractTable
+_BASES = eqx.nn.Linear | AbstractQuantized | eqx.nn.Embedding
 _ADAPTERS = LoRALinear | LoRAEmbedding
 
 
@@ -142,11 +153,6 @@ def _projections(model: PyTree) -> tuple[list[tuple[str, Any]], Any]:
         model, is_leaf=lambda x: isinstance(x, _LAYERS)
     )
     return [(path_str(p), x) for p, x in flat], treedef
-
-
-def _matches(path: str, glob: str) -> bool:
-    # A bare name matches the end of a path, as PEFT's target_modules do ("q_proj").
-    return fnmatch.fnmatchcase(path, glob) or fnmatch.fnmatchcase(path, "*." + glob)
 
 
 def _already_adapted(paths: list[str], what: str) -> ValueError:
@@ -159,14 +165,17 @@ def _already_adapted(paths: list[str], what: str) -> ValueError:
 
 
 def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
-    linears = [(p, x) for p, x in found if isinstance(x, eqx.nn.Linear | eqx.nn.Embedding)]
+    linears = [(p, x) for p, x in found if isinstance(x, _BASES)]
     adapted = [(p, x) for p, x in found if isinstance(x, _ADAPTERS)]
     if callable(targets):
         # The predicate sees an adapted layer's base Linear, as it saw it before apply.
         again = [p for p, x in adapted if isinstance(x, LoRALinear) and targets(p, x.base)]
         if again:
             raise _already_adapted(again, "rc.lora.apply")
-        chosen = [isinstance(x, eqx.nn.Linear) and bool(targets(p, x)) for p, x in found]
+        chosen = [
+            isinstance(x, eqx.nn.Linear | AbstractQuantized) and bool(targets(p, x))
+            for p, x in found
+        ]
     else:
         globs = [targets] if isinstance(targets, str) else list(targets)
         if not globs or not all(isinstance(g, str) for g in globs):
@@ -174,10 +183,10 @@ def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
                 "targets must be a glob, a sequence of globs, or a predicate "
                 f"(path, linear) -> bool; got {targets!r}."
             )
-        again = [p for p, _ in adapted if any(_matches(p, g) for g in globs)]
+        again = [p for p, _ in adapted if any(glob_matches(p, g) for g in globs)]
         if again:
             raise _already_adapted(again, "rc.lora.apply")
-        unmatched = [g for g in globs if not any(_matches(p, g) for p, _ in linears)]
+        unmatched = [g for g in globs if not any(glob_matches(p, g) for p, _ in linears)]
         if unmatched:
             raise ValueError(
                 f"LoRA target(s) {unmatched} match no eqx.nn.Linear or eqx.nn.Embedding of the "
@@ -186,8 +195,7 @@ def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
                 "ending in it."
             )
         chosen = [
-            isinstance(x, eqx.nn.Linear | eqx.nn.Embedding) and any(_matches(p, g) for g in globs)
-            for p, x in found
+            isinstance(x, _BASES) and any(glob_matches(p, g) for g in globs) for p, x in found
         ]
     if not any(chosen):
         raise ValueError(
@@ -239,7 +247,7 @@ def _wrap_table(
 
 def _wrap(
     path: str,
-    linear: eqx.nn.Linear,
+    linear: eqx.nn.Linear | AbstractQuantized,
     *,
     rank: int,
     alpha: float | int,
@@ -247,7 +255,7 @@ def _wrap(
     dtype: DTypeLike,
     key: PRNGKeyArray,
 ) -> LoRALinear:
-    *layers, n_out, n_in = linear.weight.shape
+    *layers, n_out, n_in = _weight_shape(linear)
     _check_rank(path, rank, n_in, n_out, ("in", "out"))
     # PEFT's default init of A: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)).
     bound = 1.0 / math.sqrt(n_in)
@@ -273,7 +281,8 @@ def apply(
 
     Args:
         model: any Equinox model; its `eqx.nn.Linear` layers (the zoo's projections
-            are such Linears) and `eqx.nn.Embedding` tables can be targets.
+            are such Linears), quantized Linears (`rc.quantize`) and
+            `eqx.nn.Embedding` tables can be targets.
         targets: globs over their dotted paths (`"blocks.*.attn.q_proj"`); a bare
             name matches every path ending in it (`["q_proj", "v_proj"]`, as PEFT's
             `target_modules`; `"embed_tokens"` for the zoo's token table). Or a
@@ -358,7 +367,8 @@ def trainable(model: PyTree) -> PyTree:
 def merge(model: PyTree) -> PyTree:
     """The model with every adapter folded back: plain Linears `W + scale * B A` and tables.
 
-    The sum is computed in float32 and stored in the base weight's dtype.
+    The sum is computed in float32 and stored in the base weight's dtype; a quantized
+    base is decoded first (to the dtype its weight had before quantization).
 
     Args:
         model: a model with `LoRALinear` or `LoRAEmbedding` layers.
@@ -375,7 +385,8 @@ def merge(model: PyTree) -> PyTree:
     def fold(x: Any) -> Any:
         if not isinstance(x, _ADAPTERS):
             return x
-        w = x.base.weight
+        base = x.base.dequantized() if isinstance(x.base, AbstractQuantized) else x.base
+        w = base.weight
         a, b = x.lora_a.weight.astype(jnp.float32), x.lora_b.weight.astype(jnp.float32)
         # (out, r) @ (r, in) for a Linear; (vocab, r) @ (r, features) for a table.
         update = (
@@ -384,7 +395,7 @@ def merge(model: PyTree) -> PyTree:
             else jnp.matmul(a, jnp.swapaxes(b, -1, -2))
         )
         merged = (w.astype(jnp.float32) + x.scale * update).astype(w.dtype)
-        return eqx.tree_at(lambda m: m.weight, x.base, merged)
+        return eqx.tree_at(lambda m: m.weight, base, merged)
 
     return jax.tree_util.tree_unflatten(treedef, [fold(x) for x in leaves])
 
@@ -397,7 +408,7 @@ class _BaseLinear(AbstractProjection):
     model find it there, and the reference pass gathers it as the trained pass does.
     """
 
-    base: eqx.nn.Linear
+    base: eqx.nn.Linear | AbstractQuantized
 
     def __call__(
         self, x: Float[Array, " in_features"], *, key: PRNGKeyArray | None = None

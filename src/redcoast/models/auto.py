@@ -35,8 +35,8 @@ def from_hf(
 
     Args:
         path: the folder (config.json + safetensors).
-        **options: `mesh`, `specs`, `fsdp`, `dtype`, `scan_layers`, `vocab_multiple`
-            and `remat`, each a keyword (see `LoadOptions`), as for `HFModel.from_hf`.
+        **options: `mesh`, `specs`, `fsdp`, `dtype`, `scan_layers`, `vocab_multiple`,
+            `remat` and `quantize`, each a keyword (see `LoadOptions`), as for `HFModel.from_hf`.
 
     Returns:
         The model, of the class config.json's `model_type` names.

@@ -37,9 +37,11 @@ from safetensors.numpy import save_file
 
 from .._tree_paths import array_leaves, leaves_with_paths, path_str
 from ..distributed._host import to_host
+from ..nn import AbstractQuantized
 from ..parallel._placement import check_specs, host_to_mesh, specs_by_path
 from ..parallel.mesh import DATA, MODEL
 from ..parallel.sharding import sharding_plan
+from ..quant import check_format, quantized_weight
 from ._hf_config import HFConfig as HFConfig
 from ._hf_config import read_config as read_config
 from ._hf_folder import INDEX as INDEX
@@ -151,6 +153,10 @@ class LoadOptions(TypedDict, total=False):
             writes the original rows. Default: 1.
         remat: the layers' rematerialisation policy, `"none"`, `"dots"`,
             `"attention"` or `"full"`. Default: `"none"`.
+        quantize: `"nf4"` or `"int8"`: every Linear of the layers (not the head)
+            becomes a frozen quantized Linear (`rc.quantize`), each weight quantized
+            as it is read, so the full-precision weights never sit in memory together.
+            Default: None, as stored.
     """
 
     mesh: Mesh | None
@@ -160,6 +166,7 @@ class LoadOptions(TypedDict, total=False):
     scan_layers: bool
     vocab_multiple: int
     remat: str
+    quantize: str | None
 
 
 def check_load_options(options: Mapping[str, Any]) -> None:
@@ -197,7 +204,7 @@ class HFModel(eqx.Module):
             path: the folder; `model.safetensors`, or shards listed in
                 `model.safetensors.index.json`.
             **options: `mesh`, `specs`, `fsdp`, `dtype`, `scan_layers`,
-                `vocab_multiple` and `remat`, each a keyword (see `LoadOptions`).
+                `vocab_multiple`, `remat` and `quantize`, each a keyword (see `LoadOptions`).
 
         Returns:
             The model.
@@ -236,6 +243,9 @@ def load(cls: Any, path: str | Path, **options: Unpack[LoadOptions]) -> Any:
     dtype, remat = options.get("dtype"), options.get("remat", "none")
     scan_layers = options.get("scan_layers", False)
     vocab_multiple = options.get("vocab_multiple", 1)
+    quantize = options.get("quantize")
+    if quantize is not None:
+        check_format(quantize)
     folder = Path(path)
     values = read_config(folder)
     _check_model_type(values, cls, folder)
@@ -250,6 +260,7 @@ def load(cls: Any, path: str | Path, **options: Unpack[LoadOptions]) -> Any:
     sources = _sources(maps, layers)
     checkpoint = SavedTensors(folder, cls.hf_base_prefix)
     shardings = {} if mesh is None else _shardings(cls, skeleton, mesh, specs, fsdp)
+    quantized = _layer_linears(skeleton, sources) if quantize is not None else set()
 
     leaves = []
     for kp, leaf in flat:
@@ -265,9 +276,54 @@ def load(cls: Any, path: str | Path, **options: Unpack[LoadOptions]) -> Any:
         if dtype is not None and jnp.issubdtype(host.dtype, jnp.floating):
             host = host.astype(dtype)
         sharding = shardings.get(name)
+        if name in quantized:
+            leaves.append(_quantized(host, quantize or "", name, sharding))
+            continue
         leaves.append(jnp.asarray(host) if sharding is None else host_to_mesh(host, sharding))
     _check_unused(checkpoint, cls, folder)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    return _with_biases(jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def _layer_linears(skeleton: PyTree, sources: Mapping[str, list[Piece]]) -> set[str]:
+    """The weight paths of the Linears inside the layers (read per layer), to quantize."""
+    linears = leaves_with_paths(skeleton, lambda x: isinstance(x, eqx.nn.Linear))
+    weights = {f"{path}.weight" for path, x in linears if isinstance(x, eqx.nn.Linear)}
+    return {w for w in weights if w in sources and sources[w][0][1] is not None}
+
+
+def _quantized(
+    host: np.ndarray, format: str, name: str, sharding: NamedSharding | None
+) -> AbstractQuantized:
+    """The weight `name` quantized (without its bias, attached by `_with_biases`), its
+    arrays placed as the weight's sharding says."""
+    layer = quantized_weight(host, format, path=name.removesuffix(".weight"))
+    if sharding is None:
+        return layer
+    none = lambda x: x is None  # noqa: E731
+    linear = eqx.tree_at(
+        lambda m: (m.weight, m.bias), layer.stand_in(), (sharding.spec, None), is_leaf=none
+    )
+    specs, _ = layer.specs_from(linear, dict(sharding.mesh.shape))
+    return jax.tree.map(
+        lambda a, spec: host_to_mesh(np.asarray(a), NamedSharding(sharding.mesh, spec)),
+        layer,
+        specs,
+    )
+
+
+def _is_quantized(x: Any) -> bool:
+    return isinstance(x, AbstractQuantized)
+
+
+def _with_biases(model: PyTree) -> PyTree:
+    """Each Linear whose weight was quantized replaced by its quantized Linear, bias kept."""
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, eqx.nn.Linear) and isinstance(x.weight, AbstractQuantized):
+            return eqx.tree_at(lambda q: q.bias, x.weight, x.bias, is_leaf=lambda b: b is None)
+        return x
+
+    return jax.tree.map(swap, model, is_leaf=lambda x: isinstance(x, eqx.nn.Linear))
 
 
 def _read_array(
@@ -355,6 +411,15 @@ def _check_model_type(values: Mapping[str, Any], cls: Any, folder: Path) -> None
 
 def save(model: Any, path: str | Path) -> None:
     """Write `model` as a folder `transformers` loads (see `to_hf`)."""
+    quantized = [
+        p for p, x in leaves_with_paths(model, _is_quantized) if isinstance(x, AbstractQuantized)
+    ]
+    if quantized:
+        raise ValueError(
+            f"{quantized[:4]}{' ...' if len(quantized) > 4 else ''} are quantized; a transformers "
+            "folder holds float weights. Decode them first: rc.quant.dequantize(model), or "
+            "rc.lora.merge(model) for adapters on a quantized base."
+        )
     folder = Path(path)
     arrays = dict(array_leaves(model))
     tensors: dict[str, np.ndarray] = {}

@@ -16,6 +16,7 @@ from ._attention import Implementation as Implementation
 from ._attention import attention as attention
 from ._attention import check_implementation as check_implementation
 from ._layers import AbstractProjection as AbstractProjection
+from ._layers import AbstractQuantized as AbstractQuantized
 from ._layers import AbstractTable as AbstractTable
 from ._layers import Norm as Norm
 from ._layers import dense as dense

@@ -2,6 +2,7 @@
 
 import abc
 import functools
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -14,6 +15,7 @@ from ._remat import PROJECTION
 
 __all__ = [
     "AbstractProjection",
+    "AbstractQuantized",
     "AbstractTable",
     "Norm",
     "dense",
@@ -21,6 +23,54 @@ __all__ = [
     "table_dtype",
     "tied_logits",
 ]
+
+
+class AbstractQuantized(eqx.Module):
+    """A frozen Linear stored in a compact number format, standing where the Linear stood.
+
+    It computes `x @ W^T + b` with `W` decoded inside the computation (never kept as
+    a parameter), so `dense` and LoRA's adapters take it wherever they take a Linear.
+    The sharding rules plan the Linear it stands for (`stand_in`) and split its own
+    arrays from that Linear's spec (`specs_from`).
+    """
+
+    bias: eqx.AbstractVar[Array | None]
+
+    @property
+    @abc.abstractmethod
+    def weight_shape(self) -> tuple[int, ...]:
+        """The shape of the weight it stands for: `(*layers, out, in)`."""
+
+    @abc.abstractmethod
+    def over_tokens(self, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
+        """The layer on every row of `x` (features last), computing in `x`'s dtype."""
+
+    @abc.abstractmethod
+    def dequantized(self, dtype: DTypeLike | None = None) -> eqx.nn.Linear:
+        """The plain Linear it decodes to (in the quantized weight's dtype by default)."""
+
+    @abc.abstractmethod
+    def stand_in(self) -> eqx.nn.Linear:
+        """A Linear of its shapes and dtypes whose arrays take no memory, for planning."""
+
+    @abc.abstractmethod
+    def specs_from(self, linear: eqx.nn.Linear, sizes: dict[str, int]) -> tuple[Any, str]:
+        """Its arrays' `PartitionSpec`s from the stand-in Linear's (a Linear of specs).
+
+        Args:
+            linear: `stand_in()` with a `PartitionSpec` in place of each array.
+            sizes: the mesh's axis sizes, by name.
+
+        Returns:
+            The module with a spec in place of each array, and a note when a
+            dimension the Linear splits had to stay whole ("" otherwise).
+        """
+
+    def __call__(
+        self, x: Float[Array, " in_features"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " out_features"]:
+        """On one input vector, as `eqx.nn.Linear` (`key` is not used)."""
+        return self.over_tokens(x)
 
 
 class AbstractProjection(eqx.Module):
@@ -31,7 +81,7 @@ class AbstractProjection(eqx.Module):
     fast matmul path, and the sharding rules read `base` as the Linear it stands for.
     """
 
-    base: eqx.AbstractVar[eqx.nn.Linear]
+    base: eqx.AbstractVar[eqx.nn.Linear | AbstractQuantized]
 
     @abc.abstractmethod
     def over_tokens(self, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
@@ -72,7 +122,7 @@ def table_dtype(table: eqx.nn.Embedding | AbstractTable) -> DTypeLike:
 
 
 def dense(
-    layer: eqx.nn.Linear | AbstractProjection, x: Float[Array, "*tokens in"]
+    layer: eqx.nn.Linear | AbstractProjection | AbstractQuantized, x: Float[Array, "*tokens in"]
 ) -> Float[Array, "*tokens out"]:
     """`layer` on every row of `x`: `jax.vmap(layer)(x)` as one matmul over the rows.
 
@@ -88,7 +138,8 @@ def dense(
 
     Args:
         layer: the Linear (weight `(out, in)`, optional bias `(out,)`), or a module
-            wrapping one (`AbstractProjection`), which computes over the tokens itself.
+            wrapping one (`AbstractProjection`) or standing for one
+            (`AbstractQuantized`), which computes over the tokens itself.
         x: inputs, features last.
 
     Returns:
@@ -99,7 +150,7 @@ def dense(
         >>> dense(layer, jnp.ones((10, 32))).shape
         (10, 64)
     """
-    if isinstance(layer, AbstractProjection):
+    if isinstance(layer, AbstractProjection | AbstractQuantized):
         return layer.over_tokens(x)
     rows = x.reshape(-1, x.shape[-1])
     y = jax.lax.dot_general(rows, layer.weight, (((1,), (1,)), ((), ())))

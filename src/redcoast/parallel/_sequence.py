@@ -65,7 +65,14 @@ def _is_layer(x: Any) -> bool:
 
 
 def _linear(layer: Projection) -> eqx.nn.Linear:
-    return layer.base if isinstance(layer, AbstractProjection) else layer
+    linear = layer.base if isinstance(layer, AbstractProjection) else layer
+    if not isinstance(linear, eqx.nn.Linear):
+        raise ValueError(
+            f"sequence parallelism splits plain Linear projections; this one wraps a "
+            f"{type(linear).__name__} (a quantized base). Train a quantized model without "
+            "sequence_parallel=, or dequantize it (rc.lora.merge, layer.dequantized())."
+        )
+    return linear
 
 
 def _split_on(weight: Any, axis: int) -> bool:

@@ -23,8 +23,11 @@ overrides are fixed before the rules run, so what reads an overridden weight
 follows from it; stacked experts take one expert axis per mixture, expert-
 parallel or Megatron within experts, by estimated cost; a size that does not
 divide falls back to the other dimension only when that saves more bytes than it
-moves, a collective's latency counted; vectors added to a matmul's output split with it. Every
-fallback, default or guess is listed as a note at the end of the plan.
+moves, a collective's latency counted; vectors added to a matmul's output split with it. A
+quantized Linear (`rc.quantize`) is planned as the Linear it stands for, its codes and block
+scales split with that weight's rows, and with its columns only where whole blocks fall to
+each shard (`_quantized.py`). Every fallback, default or guess is listed as a note at the
+end of the plan.
 
 Here the plan is put together: overrides, the rules' decisions (`_tp_rules.py`, on
 what `_model_structure.py` reads from the modules), FSDP's data axis and the
@@ -51,6 +54,7 @@ from ._placement import abstract_arrays as abstract_arrays
 from ._placement import check_spec
 from ._placement import optimizer_specs as optimizer_specs
 from ._placement import sharding_tree as sharding_tree
+from ._quantized import stand_ins, translated
 from ._sharding_plan import LeafPlan as LeafPlan
 from ._sharding_plan import ShardingPlan as ShardingPlan
 from ._tp_rules import COL as COL
@@ -150,6 +154,11 @@ def sharding_plan(
     _check_n(fsdp, "fsdp")
     n = int(n_model_shards)
     model = abstract_arrays(model)
+    stand_in, quantized = stand_ins(model)
+    if quantized:
+        # Planned as the Linears they stand for; their codes and scales follow.
+        plan = sharding_plan(stand_in, n, example_call=example_call, overrides=overrides, fsdp=fsdp)
+        return translated(plan, model, quantized, {MODEL: n, DATA: int(fsdp)})
     leaves = array_leaves(model)
     if not leaves:
         raise ValueError(

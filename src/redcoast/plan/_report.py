@@ -82,11 +82,15 @@ class LoRA:
             On LLaMA-7B at rank 8 that is 20.0M trainable parameters against 4.2M.
         frozen_dtype: the dtype frozen weights are stored in; bfloat16 by default,
             since they get no gradient or update and only have to be read.
+        quantize: `"nf4"` (QLoRA) or `"int8"`: the frozen projections (every Linear
+            but the head) quantized with `rc.quantize`, their weights decoded in
+            `frozen_dtype` inside the step; `None` for none.
     """
 
     rank: int
     targets: tuple[str, ...] | None = None
     frozen_dtype: str = "bfloat16"
+    quantize: str | None = None
 
     def describe(self) -> str:
         """`LoRA rank 8 on q_proj, v_proj, frozen weights bfloat16` and the like."""
@@ -95,7 +99,8 @@ class LoRA:
             if self.targets is None
             else ", ".join(self.targets)
         )
-        return f"LoRA rank {self.rank} on {where}, frozen weights {self.frozen_dtype}"
+        frozen = self.frozen_dtype if self.quantize is None else f"{self.quantize} (projections)"
+        return f"LoRA rank {self.rank} on {where}, frozen weights {frozen}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from .._tree_paths import leaves_with_paths, path_str
 from ..parallel._context_parallel import ContextParallel
 from ..parallel._parallelism import Parallelism
 from ..parallel._placement import optimizer_specs, sharding_tree
+from ..parallel._quantized import stand_ins
 from ..parallel._sharding_plan import ShardingPlan
 from ..parallel.mesh import DATA, make_mesh
 from ..parallel.sharding import sharding_plan
@@ -115,13 +116,18 @@ def _not_head(path: str, linear: Any) -> bool:
 
 
 def with_lora(make: Callable[[PRNGKeyArray], Any], lora: LoRA) -> Callable[[PRNGKeyArray], Any]:
-    """`make` with `rc.lora.apply` on its model; works under `eqx.filter_eval_shape`."""
+    """`make` with `rc.lora.apply` on its model (quantized first with `lora.quantize`);
+    works under `eqx.filter_eval_shape`."""
     from ..lora._layers import apply
+    from ..quant import quantize
 
     def made(key: PRNGKeyArray) -> Any:
         model_key, lora_key = jax.random.split(key)
+        model = make(model_key)
+        if lora.quantize is not None:
+            model = quantize(model, _not_head, lora.quantize)
         targets = _not_head if lora.targets is None else list(lora.targets)
-        return apply(make(model_key), targets, rank=lora.rank, key=lora_key)
+        return apply(model, targets, rank=lora.rank, key=lora_key)
 
     return made
 
@@ -154,6 +160,13 @@ def _abstract(tree: PyTree, shardings: PyTree, dtype: Any = None) -> PyTree:
         return jax.ShapeDtypeStruct(leaf.shape, d, sharding=sharding)
 
     return jax.tree.map(one, tree, shardings)
+
+
+def _n_params(model: PyTree) -> int:
+    """The model's parameters, a quantized Linear counting the weight it stands for."""
+    weights, _ = stand_ins(model)
+    leaves = jax.tree_util.tree_leaves(weights)
+    return sum(math.prod(x.shape) for x in leaves if hasattr(x, "shape"))
 
 
 def _is_abstract(x: Any) -> bool:
@@ -330,7 +343,7 @@ def compile_step(
     # Traced once: the jaxpr counts the FLOPs, its lowering is compiled.
     traced = jax.jit(run, donate_argnums=(0, 1)).trace(params, state, batch, key_shape)
     common = {
-        "n_params": sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)),
+        "n_params": _n_params(eqx.combine(params, static)),
         "params": _local_bytes(params),
         "opt_state": _local_bytes(state),
         "gradients": _local_bytes(trained),  # one gradient per trainable parameter

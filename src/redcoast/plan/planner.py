@@ -31,6 +31,7 @@ from jaxtyping import PRNGKeyArray
 from .._units import fmt_bytes as fmt_bytes
 from .._units import parse_bytes as parse_bytes
 from ..parallel._sharding_plan import ShardingPlan
+from ..quant import check_format
 from ._report import PRECISIONS as PRECISIONS
 from ._report import PREFERENCES as PREFERENCES
 from ._report import REMATS as REMATS
@@ -48,13 +49,21 @@ _DTYPES |= {"fp16": "float16", "float16": "float16"}
 
 
 def _lora_settings(
-    rank: int, targets: str | tuple[str, ...] | list[str] | None, frozen_dtype: Any
+    rank: int,
+    targets: str | tuple[str, ...] | list[str] | None,
+    frozen_dtype: Any,
+    quantize: str | None = None,
 ) -> LoRA | None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"lora_rank must be an int >= 0 (0: no LoRA), got {rank!r}.")
+    if quantize is not None:
+        check_format(quantize)
     if rank == 0:
-        if targets is not None or frozen_dtype is not None:
-            raise ValueError("lora_targets and frozen_dtype need lora_rank > 0.")
+        if targets is not None or frozen_dtype is not None or quantize is not None:
+            raise ValueError(
+                "lora_targets, frozen_dtype and quantize need lora_rank > 0: a quantized base "
+                "is frozen, and trains only through adapters."
+            )
         return None
     if isinstance(targets, str):
         targets = tuple(t.strip() for t in targets.split(",") if t.strip())
@@ -66,7 +75,7 @@ def _lora_settings(
         raise ValueError(
             f"frozen_dtype {frozen_dtype!r}: choose bf16, fp16 or fp32 (or a jnp dtype of those)."
         )
-    return LoRA(rank, None if targets is None else tuple(targets), name)
+    return LoRA(rank, None if targets is None else tuple(targets), name, quantize)
 
 
 def sharding_plan_of(model: PlannedModel, layout: Layout, lora: LoRA | None = None) -> ShardingPlan:
@@ -294,7 +303,9 @@ def _floor(n_params: int, layout: Layout, lora: LoRA | None = None) -> float:
     the frozen parameters alone)."""
     master = 2 if layout.precision == "pure-bf16" else 4
     if lora is not None:
-        master = jnp.dtype(lora.frozen_dtype).itemsize / 4
+        # A quantized base stores its projections in half a byte (NF4) or one (int8).
+        stored = {"nf4": 0.5, "int8": 1.0}.get(lora.quantize or "")
+        master = (stored or jnp.dtype(lora.frozen_dtype).itemsize) / 4
     ways = layout.devices if layout.fsdp else layout.n_model_shards
     return n_params * (4 * master) / ways
 
@@ -320,6 +331,7 @@ def memory_plan(
     lora_rank: int = 0,
     lora_targets: str | list[str] | tuple[str, ...] | None = None,
     frozen_dtype: Any = None,
+    quantize: str | None = None,
 ) -> MemoryPlan:
     """Compile the AdamW train step for `devices` devices on abstract shapes and measure it.
 
@@ -363,6 +375,8 @@ def memory_plan(
             block's attention and MLP projections (see `LoRA`).
         frozen_dtype: the dtype of frozen weights with LoRA, `"bf16"` (the default),
             `"fp16"` or `"fp32"`.
+        quantize: with LoRA, `"nf4"` (QLoRA) or `"int8"`: every Linear but the head
+            quantized (`rc.quantize`), decoded in `frozen_dtype` inside the step.
 
     Returns:
         A `MemoryPlan`; `str()` is a readable report, `.to_dict()` JSON.
@@ -383,7 +397,7 @@ def memory_plan(
     if device_memory is None and hardware.memory is not None:
         device_memory = hardware.memory
     budget = None if device_memory is None else parse_bytes(device_memory)
-    lora = _lora_settings(lora_rank, lora_targets, frozen_dtype)
+    lora = _lora_settings(lora_rank, lora_targets, frozen_dtype, quantize)
     layout = Layout(devices, n_model_shards, fsdp, precision, remat, per_device_batch_size, seq_len)
     layout = dataclasses.replace(
         layout,

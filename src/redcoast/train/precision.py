@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
+from ..nn import AbstractQuantized
+
 Precision = Literal["fp32", "bf16", "pure-bf16"]
 """A precision policy (see the module docstring)."""
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "pure-bf16")
@@ -94,8 +96,10 @@ def cast(tree: PyTree, dtype: DTypeLike) -> PyTree:
     """`tree` with every floating-point array cast to `dtype`; other leaves untouched.
 
     Integer arrays (token tables' indices, step counters), keys and static fields
-    keep their types. Under `jax.grad` the cast is differentiable: gradients flow
-    back in the original dtype.
+    keep their types, and so does a quantized Linear (`rc.quantize`): its float32
+    scales are part of its format, and it computes in its input's dtype anyway.
+    Under `jax.grad` the cast is differentiable: gradients flow back in the
+    original dtype.
 
     Args:
         tree: a model, an optimizer state or any pytree.
@@ -109,11 +113,13 @@ def cast(tree: PyTree, dtype: DTypeLike) -> PyTree:
     """
 
     def one(x: Any) -> Any:
+        if isinstance(x, AbstractQuantized):
+            return x
         if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
             return x.astype(dtype)
         return x
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, AbstractQuantized))
 
 
 def for_compute(tree: PyTree, precision: str) -> PyTree:

@@ -16,7 +16,9 @@ A filter is one of:
   (`blocks.0.attn.q_proj.weight`).
 
 Only floating-point arrays can train: integer arrays and everything that is not
-an array stay frozen whatever the filter says.
+an array stay frozen whatever the filter says. A quantized Linear (`rc.quantize`)
+is frozen too: `None` leaves it out, and a filter that selects its scales is an
+error.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import jax
 from jaxtyping import PyTree
 
 from .._tree_paths import path_str
+from ..nn import AbstractQuantized
 
 Trainable = str | Sequence[str] | Callable[[Any], bool] | PyTree | None
 """What `fit(trainable=...)` and `train_step(trainable=...)` accept (see the module docstring)."""
@@ -111,6 +114,7 @@ def trainable_mask(model: PyTree, trainable: Trainable = None) -> PyTree:
                 f"eqx.partition takes); got {type(trainable).__name__}: {err}"
             ) from err
         mask = jax.tree.map(lambda x: x is not _FROZEN and eqx.is_inexact_array(x), kept)
+    mask = _quantized_frozen(model, mask, explicit=trainable is not None)
     if not any(jax.tree_util.tree_leaves(mask)):
         raise ValueError(
             "trainable selects no floating-point array of the model, so there is nothing to "
@@ -119,8 +123,33 @@ def trainable_mask(model: PyTree, trainable: Trainable = None) -> PyTree:
     return mask
 
 
+def _quantized_frozen(model: PyTree, mask: PyTree, *, explicit: bool) -> PyTree:
+    """`mask` with every quantized Linear's arrays frozen; a filter that names them fails."""
+    picked: list[str] = []
+
+    def freeze(kp: Any, m: Any, x: Any) -> Any:
+        if not isinstance(x, AbstractQuantized):
+            return m
+        if any(jax.tree_util.tree_leaves(m)):
+            picked.append(path_str(kp))
+        return jax.tree.map(lambda _: False, m)
+
+    is_quantized = lambda x: isinstance(x, AbstractQuantized)  # noqa: E731
+    frozen = jax.tree_util.tree_map_with_path(freeze, mask, model, is_leaf=is_quantized)
+    if picked and explicit:
+        raise ValueError(
+            f"trainable selects arrays of the quantized Linears {picked[:6]}"
+            f"{' ...' if len(picked) > 6 else ''}: their codes and scales are a frozen base and "
+            "never train. Train adapters on them (rc.lora.apply, then "
+            "trainable=rc.lora.trainable(model)), or dequantize what should train "
+            "(layer.dequantized()) before training it."
+        )
+    return frozen
+
+
 def frozen_mask(model: PyTree, mask: PyTree) -> PyTree:
-    """True for each floating-point array of `model` that `mask` leaves frozen.
+    """True for each array of `model` that `mask` leaves frozen (integer ones too: the
+    codes of a quantized base).
 
     Args:
         model: an Equinox model.
@@ -129,4 +158,4 @@ def frozen_mask(model: PyTree, mask: PyTree) -> PyTree:
     Returns:
         A tree of bools shaped like `model`.
     """
-    return jax.tree.map(lambda x, m: eqx.is_inexact_array(x) and not m, model, mask)
+    return jax.tree.map(lambda x, m: eqx.is_array(x) and not m, model, mask)
