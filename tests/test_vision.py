@@ -311,9 +311,9 @@ def test_sharding_rules_split_heads_and_mlps_of_both_stacks() -> None:
     assert plan.bytes_per_device < 0.75 * plan.total_bytes
 
 
-# Two compilations of the step, sharded and not (about 20 s here): `nox -s slow`.
+# Three compilations of the step, sharded, FSDP and not (about 45 s here): `nox -s slow`.
 @pytest.mark.slow
-def test_sharded_train_step_equals_one_device() -> None:
+def test_sharded_and_fsdp_train_steps_equal_one_device() -> None:
     model = build()
     key = jax.random.key(0)
     mesh = rc.make_mesh(2)  # 4 x 2
@@ -331,3 +331,15 @@ def test_sharded_train_step_equals_one_device() -> None:
     chex.assert_trees_all_close(
         eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array), rtol=1e-5, atol=1e-6
     )
+    # FSDP too: every weight split over the data axis as well, gathered where it is used.
+    fsdp = rc.place(model, mesh, example_call=lambda m: loss_fn(m, BATCH, key), fsdp=True)
+    assert any(
+        "data" in jax.tree.leaves(tuple(leaf.sharding.spec))
+        for leaf in jax.tree.leaves(eqx.filter(fsdp, eqx.is_array))
+    )
+    fsdp_step = rc.train_step(loss_fn, optimizer, mesh=mesh)
+    state = optimizer.init(eqx.filter(fsdp, eqx.is_inexact_array))
+    batch = jax.device_put(BATCH, NamedSharding(mesh, P("data")))
+    _, _, metrics = fsdp_step(fsdp, state, batch, key)
+    np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], want_metrics["grad_norm"], rtol=1e-5)
