@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
-from tiny import drawn
+from tiny import drawn, megatron_specs
 
 import redcoast as rc
 from redcoast._tree_paths import path_str
@@ -286,25 +286,25 @@ def layout(model: eqx.Module, specs: object) -> dict[str, tuple]:
     }
 
 
-def test_sharding_rules_split_heads_and_mlps_of_both_stacks() -> None:
-    model = build()
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["loop", "scan"])
+def test_sharding_rules_give_megatron_layout(scan_layers: bool) -> None:
+    model = build(scan_layers)
     key = jax.random.key(0)
     plan = rc.sharding_plan(model, 2, example_call=lambda m: loss_fn(m, BATCH, key))
-    got = layout(model, plan.specs)
+    got, want = layout(model, plan.specs), layout(model, megatron_specs(model, 2))
+    assert got == want, {p: (got[p], want[p]) for p in got if got[p] != want[p]}
+    # What that layout is, written out: heads and MLPs split in both stacks.
     column, row = ("model", None), (None, "model")
-    for layer, attentions in (
-        ("encoder.blocks.1.", ("attn",)),
-        ("decoder_blocks.1.", ("attn", "cross_attn")),
-    ):
+    stacked = (None,) if scan_layers else ()
+    stacks = (("encoder.blocks.", ("attn",)), ("decoder_blocks.", ("attn", "cross_attn")))
+    for stack, attentions in stacks:
+        layer = stack if scan_layers else stack + "1."
         for attn in attentions:
             for proj in ("q_proj", "k_proj", "v_proj"):
-                assert got[f"{layer}{attn}.{proj}.weight"] == column, (layer, attn, proj)
-                assert got[f"{layer}{attn}.{proj}.bias"] == ("model",)
-            assert got[f"{layer}{attn}.o_proj.weight"] == row
-            assert got[f"{layer}{attn}.o_proj.bias"] == (None,)
-        assert got[layer + "mlp.fc_in.weight"] == column
-        assert got[layer + "mlp.fc_out.weight"] == row
-        assert got[layer + "attn_norm.weight"] == (None,)
+                assert got[f"{layer}{attn}.{proj}.weight"] == (*stacked, *column), (layer, proj)
+            assert got[f"{layer}{attn}.o_proj.weight"] == (*stacked, *row)
+        assert got[layer + "mlp.fc_in.weight"] == (*stacked, *column)
+        assert got[layer + "mlp.fc_out.weight"] == (*stacked, *row)
     # The stem and the projection into the decoder's cross-attention stay whole.
     assert got["encoder.patch_embed.weight"] == (None,) * 4
     assert got["enc_to_dec_proj.weight"] == (None, None)
