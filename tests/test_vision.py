@@ -343,3 +343,14 @@ def test_sharded_and_fsdp_train_steps_equal_one_device() -> None:
     _, _, metrics = fsdp_step(fsdp, state, batch, key)
     np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
     np.testing.assert_allclose(metrics["grad_norm"], want_metrics["grad_norm"], rtol=1e-5)
+
+
+# The planner compiles the step (about 30 s here): `nox -s slow`.
+@pytest.mark.slow
+def test_the_planner_plans_the_captioner() -> None:
+    plan = rc.memory_plan(CONFIG, devices=8, n_model_shards=2, seq_len=8, per_device_batch_size=2)
+    key = jax.random.key(0)
+    split = rc.sharding_plan(build(True), 2, example_call=lambda m: loss_fn(m, BATCH, key))
+    assert (plan.layout.n_model_shards, plan.n_params * 4) == (2, split.total_bytes)
+    assert plan.params == split.bytes_per_device < split.total_bytes
+    assert plan.activations > 0
