@@ -6,7 +6,8 @@ The decoder zoo -- `GPT2`, `OPT`, `GPTJ`, and today's checkpoints on one
 (`from_hf`, `to_hf`) and generates with a key/value cache (`generate`). The
 encoder-decoders `T5` and `BART` do the same, and generate greedily, by sampling
 or by beam search (`generate_seq2seq`); so does the captioning model
-`VisionEncoderDecoder` (a `ViT` encoder and a GPT-2 decoder), from images.
+`VisionEncoderDecoder` (a `ViT` encoder and a GPT-2 decoder), from images. `DiT`
+goes the other way: a text-conditioned diffusion transformer with a DDIM sampler.
 """
 
 from .auto import ARCHITECTURES as ARCHITECTURES
@@ -16,6 +17,10 @@ from .bart import BARTConfig as BARTConfig
 from .causal_lm import AbstractCausalLM as AbstractCausalLM
 from .decoder import Decoder as Decoder
 from .decoder import DecoderConfig as DecoderConfig
+from .dit import DiT as DiT
+from .dit import DiTConfig as DiTConfig
+from .dit import ddim_sample as ddim_sample
+from .dit import noise_prediction_loss as noise_prediction_loss
 from .gemma import Gemma2 as Gemma2
 from .gemma import Gemma2Config as Gemma2Config
 from .gemma import Gemma3 as Gemma3
