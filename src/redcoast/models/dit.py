@@ -164,8 +164,11 @@ class DiT(eqx.Module):
 
 
 def alphas_cumprod(timesteps: int) -> Float[Array, " timesteps"]:
-    """DDPM's linear schedule (Ho et al. 2020): `prod(1 - beta)`, beta from 1e-4 to 0.02."""
-    betas = jnp.linspace(1e-4, 0.02, timesteps)
+    """DDPM's linear schedule (Ho et al. 2020), `prod(1 - beta)` with beta from 1e-4 to
+    0.02 for 1000 steps, scaled by `1000 / timesteps` so that any number of steps ends
+    in (nearly) pure noise, where the sampler starts."""
+    scale = 1000 / timesteps
+    betas = jnp.linspace(1e-4 * scale, 0.02 * scale, timesteps)
     return jnp.cumprod(1.0 - betas)
 
 
