@@ -3,8 +3,9 @@
 For each model and each n_model_shards in (2, 4, 8) a train step (loss, gradients,
 SGD update) is compiled for the mesh (8/n, n) and the collectives XLA inserted are
 read back from the partitioned HLO. Models: the tiny reference architectures and the
-zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`, and the encoder-decoders `T5` and
-`BART`, whose cross-attention and two FFNs are split too) at the same size, and the
+zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`, the encoder-decoders `T5` and `BART`,
+whose cross-attention and two FFNs are split too, and the ViT + GPT-2 captioner
+`VisionEncoderDecoder`) at the same size, and the
 architectures of `tests/architectures.py` (MoE, DiT, ViT, BERT, encoder-decoder,
 scan-over-layers, raw-array MLP), each with its own hand layout, LoRA GPT-2 and
 LLaMA (rank 8 on every projection) against Megatron-LM's layout with its LoRA, and
@@ -108,6 +109,27 @@ MODELS: dict[str, Callable[[], eqx.Module]] = {
             decoder_attention_heads=8,
             encoder_ffn_dim=1024,
             decoder_ffn_dim=1024,
+        ),
+        key=KEY,
+    ),
+    "zoo vit + gpt2 captioner (cross)": lambda: rc.models.VisionEncoderDecoder(
+        rc.models.VisionEncoderDecoderConfig(
+            encoder=rc.models.ViTConfig(
+                hidden_size=256,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                intermediate_size=1024,
+                image_size=32,
+                patch_size=4,
+            ),
+            decoder=rc.models.GPT2Config(
+                vocab_size=512,
+                n_positions=64,
+                n_embd=256,
+                n_layer=4,
+                n_head=8,
+                add_cross_attention=True,
+            ),
         ),
         key=KEY,
     ),
@@ -232,11 +254,18 @@ def batch_for(name: str) -> object:
         return {"img": jax.random.normal(key, (16, 4, 32, 32)), "t": jnp.arange(16.0)}
     if name.startswith("vit"):
         return jax.random.normal(key, (16, 3, 32, 32))
+    if "captioner" in name:
+        pixels = jax.random.normal(key, (16, 3, 32, 32))
+        return {"pixels": pixels, "ids": jax.random.randint(key, (16, 64), 0, 512)}
     return jax.random.randint(key, (16, 64), 0, 512)
 
 
 def forward(model: eqx.Module, x: object) -> jax.Array:
-    """The model on a batch; an encoder-decoder reads the ids as source and target."""
+    """The model on a batch; an encoder-decoder reads the ids as source and target, a
+    captioner images and ids."""
+    if isinstance(model, rc.models.VisionEncoderDecoder):
+        assert isinstance(x, dict)
+        return jax.vmap(model)(x["pixels"], x["ids"])
     if isinstance(model, rc.models.AbstractSeq2SeqLM):
         return jax.vmap(lambda ids: model(ids, ids))(x)
     return jax.vmap(model)(x)

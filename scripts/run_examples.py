@@ -43,6 +43,7 @@ BARS = {
     "ppo": ("mean_return", "min", 450.0, None),
     "preference": ("accuracy_after", "min", 0.85, None),
     "preference_simpo": ("accuracy_after", "min", 0.8, None),
+    "captioning": ("rougeL", "min", 0.90, 300.0),
     "seq2seq": ("rougeL", "min", 0.90, 300.0),
 }
 

@@ -24,6 +24,7 @@ SMOKE = {
     "fedavg": ["--n-rounds", "1", "--local-epochs", "1", "--n-clients", "2"],
     "maml": ["--max-steps", "10", "--n-test-tasks", "8"],
     "seq2seq": ["--max-steps", "4", "--eval-every", "2", "--per-device-batch-size", "4"],
+    "captioning": ["--max-steps", "4", "--per-device-batch-size", "4"],
     "ppo": [
         "--n-iterations",
         "2",
@@ -42,6 +43,7 @@ EXPECTED = {
     "maml": {"mse_before", "mse_after_1_step"},
     "ppo": {"mean_return"},
     "seq2seq": {"rougeL", "rouge2", "exact"},
+    "captioning": {"rougeL", "exact"},
 }
 
 
@@ -143,6 +145,34 @@ def test_finetune_hands_back_a_folder_transformers_generates_from(
     theirs = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
     ours = rc.models.generate(rc.models.from_hf(out), ids.numpy(), max_new_tokens=8)
     np.testing.assert_array_equal(np.asarray(ours[0]), theirs.numpy())
+
+
+@pytest.mark.slow
+def test_captioning_writes_a_folder_transformers_captions_with(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    args = ["run", "captioning", *SMOKE["captioning"], "--workdir", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    captioning = _examples.load_example("captioning")
+    pixels = captioning.collate_fn([(k, k) for k in range(0, 200, 50)])["pixel_values"]
+    model = transformers.VisionEncoderDecoderModel.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        theirs = model.generate(
+            pixel_values=torch.tensor(pixels), max_new_tokens=captioning.LENGTH, num_beams=3
+        )[:, 1:].numpy()
+    ours = np.asarray(
+        rc.models.generate_seq2seq(
+            rc.models.from_hf(tmp_path / "hf"),
+            pixels,
+            max_new_tokens=captioning.LENGTH,
+            num_beams=3,
+        )
+    )
+    eos = captioning.EOS
+    for mine, hf in zip(ours.tolist(), theirs.tolist(), strict=True):
+        end = mine.index(eos) + 1 if eos in mine else len(mine)
+        assert mine[:end] == hf[:end]
 
 
 @pytest.mark.slow

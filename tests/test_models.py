@@ -258,7 +258,8 @@ def test_unsupported_architecture_is_named(gpt2_folder: Path, tmp_path: Path) ->
     with pytest.raises(
         ValueError,
         match=r"model_type='bert'.*\['bart', 'gemma2', 'gemma3_text', 'gpt2', 'gptj', "
-        r"'llama', 'mistral', 'mixtral', 'opt', 'phi3', 'qwen2', 'qwen3', 't5'\]",
+        r"'llama', 'mistral', 'mixtral', 'opt', 'phi3', 'qwen2', 'qwen3', 't5', "
+        r"'vision-encoder-decoder', 'vit'\]",
     ):
         rc.models.from_hf(folder)
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*rc.models.from_hf picks"):

@@ -5,7 +5,9 @@ The decoder zoo -- `GPT2`, `OPT`, `GPTJ`, and today's checkpoints on one
 `Gemma3`, `Phi3` -- loads from and saves to Hugging Face `transformers` folders
 (`from_hf`, `to_hf`) and generates with a key/value cache (`generate`). The
 encoder-decoders `T5` and `BART` do the same, and generate greedily, by sampling
-or by beam search (`generate_seq2seq`).
+or by beam search (`generate_seq2seq`); so does the captioning model
+`VisionEncoderDecoder` (a `ViT` encoder and a GPT-2 decoder), from images. `DiT`
+goes the other way: a text-conditioned diffusion transformer with a DDIM sampler.
 """
 
 from .auto import ARCHITECTURES as ARCHITECTURES
@@ -15,6 +17,10 @@ from .bart import BARTConfig as BARTConfig
 from .causal_lm import AbstractCausalLM as AbstractCausalLM
 from .decoder import Decoder as Decoder
 from .decoder import DecoderConfig as DecoderConfig
+from .dit import DiT as DiT
+from .dit import DiTConfig as DiTConfig
+from .dit import ddim_sample as ddim_sample
+from .dit import noise_prediction_loss as noise_prediction_loss
 from .gemma import Gemma2 as Gemma2
 from .gemma import Gemma2Config as Gemma2Config
 from .gemma import Gemma3 as Gemma3
@@ -61,6 +67,10 @@ from .seq2seq import Seq2SeqAttention as Seq2SeqAttention
 from .seq2seq_generation import generate_seq2seq as generate_seq2seq
 from .t5 import T5 as T5
 from .t5 import T5Config as T5Config
+from .vision_encoder_decoder import VisionEncoderDecoder as VisionEncoderDecoder
+from .vision_encoder_decoder import VisionEncoderDecoderConfig as VisionEncoderDecoderConfig
+from .vit import ViT as ViT
+from .vit import ViTConfig as ViTConfig
 
 
 def __getattr__(name: str) -> object:

@@ -3,9 +3,9 @@
 Each architecture lists its maps (`hf_tensors`); `hf.load` and `hf.save` apply
 them. Besides a tensor stored as the model stores it (`same`), there are GPT-2's
 transposed `Conv1D` weights (`conv1d`), tables padded to a vocabulary multiple
-(`vocab_rows`), fused Q/K/V projections split in three (`fused_qkv`, GPT-2's
-`Conv1D`; `split_rows`, Phi-3's fused Linears) and one tensor per expert stacked on
-an expert axis (`experts`, Mixtral's).
+(`vocab_rows`), fused projections split apart (`fused_qkv` and `fused_conv1d`,
+GPT-2's `Conv1D`s; `split_rows`, Phi-3's fused Linears) and one tensor per expert
+stacked on an expert axis (`experts`, Mixtral's).
 """
 
 import dataclasses
@@ -15,7 +15,16 @@ import numpy as np
 
 from ._hf_config import HFConfig
 
-__all__ = ["TensorMap", "conv1d", "experts", "fused_qkv", "same", "split_rows", "vocab_rows"]
+__all__ = [
+    "TensorMap",
+    "conv1d",
+    "experts",
+    "fused_conv1d",
+    "fused_qkv",
+    "same",
+    "split_rows",
+    "vocab_rows",
+]
 
 
 def _one(x: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -95,23 +104,29 @@ def vocab_rows(hf: str, ours: str, config: HFConfig) -> TensorMap:
     return TensorMap(hf, (ours,), pad, unpad)
 
 
-def _split3_weight(x: np.ndarray) -> tuple[np.ndarray, ...]:
-    if x.ndim != 2 or x.shape[1] % 3:
-        raise ValueError(f"expected (in, 3 * out), got shape {x.shape}")
-    return tuple(np.ascontiguousarray(p) for p in np.split(x.T, 3, axis=0))
+def _split_weight(n: int) -> Callable[[np.ndarray], tuple[np.ndarray, ...]]:
+    def split(x: np.ndarray) -> tuple[np.ndarray, ...]:
+        if x.ndim != 2 or x.shape[1] % n:
+            raise ValueError(f"expected (in, {n} * out), got shape {x.shape}")
+        return tuple(np.ascontiguousarray(p) for p in np.split(x.T, n, axis=0))
+
+    return split
 
 
-def _join3_weight(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+def _join_weight(xs: tuple[np.ndarray, ...]) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(xs, axis=0).T)
 
 
-def _split3_bias(x: np.ndarray) -> tuple[np.ndarray, ...]:
-    if x.ndim != 1 or x.shape[0] % 3:
-        raise ValueError(f"expected (3 * out,), got shape {x.shape}")
-    return tuple(np.ascontiguousarray(p) for p in np.split(x, 3, axis=0))
+def _split_bias(n: int) -> Callable[[np.ndarray], tuple[np.ndarray, ...]]:
+    def split(x: np.ndarray) -> tuple[np.ndarray, ...]:
+        if x.ndim != 1 or x.shape[0] % n:
+            raise ValueError(f"expected ({n} * out,), got shape {x.shape}")
+        return tuple(np.ascontiguousarray(p) for p in np.split(x, n, axis=0))
+
+    return split
 
 
-def _join3_bias(xs: tuple[np.ndarray, ...]) -> np.ndarray:
+def _join_bias(xs: tuple[np.ndarray, ...]) -> np.ndarray:
     return np.concatenate(xs, axis=0)
 
 
@@ -121,9 +136,16 @@ def fused_qkv(hf: str, q: str, k: str, v: str, *, bias: bool) -> TensorMap:
     Separate projections are what the sharding rules recognise as attention, and
     they let each be split by heads on its own.
     """
+    return fused_conv1d(hf, (q, k, v), bias=bias)
+
+
+def fused_conv1d(hf: str, ours: tuple[str, ...], *, bias: bool) -> TensorMap:
+    """A Conv1D of several equal projections side by side (GPT-2's `c_attn`: Q, K and V;
+    its cross-attention's: K and V), split into one Linear each, and joined back."""
+    n = len(ours)
     if bias:
-        return TensorMap(hf, (q, k, v), _split3_bias, _join3_bias)
-    return TensorMap(hf, (q, k, v), _split3_weight, _join3_weight)
+        return TensorMap(hf, ours, _split_bias(n), _join_bias)
+    return TensorMap(hf, ours, _split_weight(n), _join_weight)
 
 
 def split_rows(hf: str, ours: tuple[str, ...], sizes: tuple[int, ...]) -> TensorMap:

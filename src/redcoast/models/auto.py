@@ -16,9 +16,27 @@ from .phi3 import Phi3
 from .qwen import Qwen2, Qwen3
 from .seq2seq import AbstractSeq2SeqLM
 from .t5 import T5
+from .vision_encoder_decoder import VisionEncoderDecoder
+from .vit import ViT
 
-_CLASSES = (GPT2, OPT, GPTJ, T5, BART, Llama, Qwen2, Qwen3, Mistral, Mixtral, Gemma2, Gemma3, Phi3)
-ARCHITECTURES: dict[str, type[AbstractCausalLM] | type[AbstractSeq2SeqLM]] = {
+_CLASSES = (
+    GPT2,
+    OPT,
+    GPTJ,
+    T5,
+    BART,
+    VisionEncoderDecoder,
+    ViT,
+    Llama,
+    Qwen2,
+    Qwen3,
+    Mistral,
+    Mixtral,
+    Gemma2,
+    Gemma3,
+    Phi3,
+)
+ARCHITECTURES: dict[str, type[AbstractCausalLM] | type[AbstractSeq2SeqLM] | type[ViT]] = {
     cls.config_class.model_type: cls for cls in _CLASSES
 }
 """config.json's `model_type` -> the class that implements it."""
@@ -26,12 +44,13 @@ ARCHITECTURES: dict[str, type[AbstractCausalLM] | type[AbstractSeq2SeqLM]] = {
 
 def from_hf(
     path: str | Path, **options: Unpack[LoadOptions]
-) -> AbstractCausalLM | AbstractSeq2SeqLM:
+) -> AbstractCausalLM | AbstractSeq2SeqLM | ViT:
     """Load a `transformers` `save_pretrained` folder as the zoo model its `model_type` names.
 
     The `model_type`s: `gpt2`, `opt`, `gptj`, `llama` (1, 2, 3, 3.1, 3.2), `qwen2`
     (Qwen 2, 2.5), `qwen3`, `mistral`, `mixtral`, `gemma2`, `gemma3_text`, `phi3`, and
-    the encoder-decoders `t5` and `bart` (`ARCHITECTURES`).
+    the encoder-decoders `t5` and `bart`, the image encoder `vit` and the captioning
+    `vision-encoder-decoder` (ViT + GPT-2) (`ARCHITECTURES`).
 
     Args:
         path: the folder (config.json + safetensors).

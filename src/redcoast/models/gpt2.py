@@ -14,6 +14,7 @@ from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, Blocks
 from .init import normal_init, zero_unused_rows
 from .layers import MLP, AnyNorm, Attention, DecoderBlock, activation
+from .seq2seq import DecoderLayer, Seq2SeqAttention
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,7 +58,6 @@ class GPT2Config(hf.HFConfig):
         self._require(
             scale_attn_weights=(self.scale_attn_weights, True),
             scale_attn_by_inverse_layer_idx=(self.scale_attn_by_inverse_layer_idx, False),
-            add_cross_attention=(self.add_cross_attention, False),
             tie_word_embeddings=(self.tie_word_embeddings, True),
         )
         activation(self.activation_function)
@@ -108,6 +108,12 @@ class GPT2(AbstractCausalLM):
         attention: Implementation = "auto",
         key: PRNGKeyArray,
     ):
+        if config.add_cross_attention:
+            raise ValueError(
+                "GPT2Config(add_cross_attention=True) describes the decoder of an "
+                "encoder-decoder, which GPT2 alone is not; load the whole model with "
+                "rc.models.from_hf (a VisionEncoderDecoder), or set add_cross_attention=False."
+            )
         c = config
         kt, kp, kb = jax.random.split(key, 3)
         eps = c.layer_norm_epsilon
@@ -157,34 +163,87 @@ class GPT2(AbstractCausalLM):
     @classmethod
     def hf_tensors(cls, config: GPT2Config) -> list[hf.TensorMap]:
         """GPT-2's checkpoint names; its Linears are `Conv1D`s stored `(in, out)`."""
-        h = "transformer.h.{i}."
         return [
             hf.vocab_rows("transformer.wte.weight", "embed_tokens.weight", config),
             hf.same("transformer.wpe.weight", "embed_positions.weight"),
-            hf.same(h + "ln_1.weight", "attn_norm.weight"),
-            hf.same(h + "ln_1.bias", "attn_norm.bias"),
-            hf.fused_qkv(
-                h + "attn.c_attn.weight",
-                "attn.q_proj.weight",
-                "attn.k_proj.weight",
-                "attn.v_proj.weight",
-                bias=False,
-            ),
-            hf.fused_qkv(
-                h + "attn.c_attn.bias",
-                "attn.q_proj.bias",
-                "attn.k_proj.bias",
-                "attn.v_proj.bias",
-                bias=True,
-            ),
-            hf.conv1d(h + "attn.c_proj.weight", "attn.o_proj.weight"),
-            hf.same(h + "attn.c_proj.bias", "attn.o_proj.bias"),
-            hf.same(h + "ln_2.weight", "mlp_norm.weight"),
-            hf.same(h + "ln_2.bias", "mlp_norm.bias"),
-            hf.conv1d(h + "mlp.c_fc.weight", "mlp.fc_in.weight"),
-            hf.same(h + "mlp.c_fc.bias", "mlp.fc_in.bias"),
-            hf.conv1d(h + "mlp.c_proj.weight", "mlp.fc_out.weight"),
-            hf.same(h + "mlp.c_proj.bias", "mlp.fc_out.bias"),
+            *block_tensors("transformer.h.{i}.", cross=False),
             hf.same("transformer.ln_f.weight", "norm.weight"),
             hf.same("transformer.ln_f.bias", "norm.bias"),
         ]
+
+
+def block_tensors(h: str, *, cross: bool) -> list[hf.TensorMap]:
+    """A GPT-2 block's checkpoint names (`h` holds `{i}`), its cross-attention's too
+    when `cross` (`add_cross_attention=True`), relative to one block of ours."""
+
+    def parts(attn: str, ours: str, fused: tuple[str, ...]) -> list[hf.TensorMap]:
+        return [
+            hf.fused_conv1d(
+                h + attn + ".c_attn.weight", tuple(f"{ours}.{p}.weight" for p in fused), bias=False
+            ),
+            hf.fused_conv1d(
+                h + attn + ".c_attn.bias", tuple(f"{ours}.{p}.bias" for p in fused), bias=True
+            ),
+            hf.conv1d(h + attn + ".c_proj.weight", ours + ".o_proj.weight"),
+            hf.same(h + attn + ".c_proj.bias", ours + ".o_proj.bias"),
+        ]
+
+    maps = [
+        hf.same(h + "ln_1.weight", "attn_norm.weight"),
+        hf.same(h + "ln_1.bias", "attn_norm.bias"),
+        *parts("attn", "attn", ("q_proj", "k_proj", "v_proj")),
+        hf.same(h + "ln_2.weight", "mlp_norm.weight"),
+        hf.same(h + "ln_2.bias", "mlp_norm.bias"),
+        hf.conv1d(h + "mlp.c_fc.weight", "mlp.fc_in.weight"),
+        hf.same(h + "mlp.c_fc.bias", "mlp.fc_in.bias"),
+        hf.conv1d(h + "mlp.c_proj.weight", "mlp.fc_out.weight"),
+        hf.same(h + "mlp.c_proj.bias", "mlp.fc_out.bias"),
+    ]
+    if not cross:
+        return maps
+    return [
+        *maps,
+        hf.same(h + "ln_cross_attn.weight", "cross_norm.weight"),
+        hf.same(h + "ln_cross_attn.bias", "cross_norm.bias"),
+        *parts("crossattention", "cross_attn", ("k_proj", "v_proj")),
+        hf.conv1d(h + "crossattention.q_attn.weight", "cross_attn.q_proj.weight"),
+        hf.same(h + "crossattention.q_attn.bias", "cross_attn.q_proj.bias"),
+    ]
+
+
+def cross_attention_block(config: GPT2Config, *, remat: str, key: PRNGKeyArray) -> DecoderLayer:
+    """A GPT-2 block with cross-attention (`add_cross_attention=True`): pre-norm causal
+    self-attention, cross-attention to an encoder's output of width `n_embd`, the MLP.
+
+    Initialised as `transformers` does GPT-2: N(0, `initializer_range`) weights, the
+    three residual projections N(0, `initializer_range / sqrt(2 * n_layer)`), zero biases.
+    """
+    c = config
+    ka, kc, km, kr, ko = jax.random.split(key, 5)
+    head_dim = c.n_embd // c.n_head
+
+    def attention(k: PRNGKeyArray) -> Seq2SeqAttention:
+        return Seq2SeqAttention(
+            c.n_embd,
+            c.n_head,
+            head_dim,
+            use_bias=True,
+            scale=head_dim**-0.5,
+            recompute_scores=remat == "attention",
+            key=k,
+        )
+
+    mlp = MLP(
+        c.n_embd, c.n_inner or 4 * c.n_embd, activation=activation(c.activation_function), key=km
+    )
+    attn, cross, mlp = normal_init((attention(ka), attention(kc), mlp), c.initializer_range, key=kr)
+    residual_std = c.initializer_range / math.sqrt(2 * c.n_layer)
+    outs = normal_init((attn.o_proj, cross.o_proj, mlp.fc_out), residual_std, key=ko)
+    attn, cross, mlp = eqx.tree_at(
+        lambda t: (t[0].o_proj, t[1].o_proj, t[2].fc_out), (attn, cross, mlp), outs
+    )
+
+    def norm() -> eqx.nn.LayerNorm:
+        return eqx.nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon)
+
+    return DecoderLayer(norm(), attn, norm(), cross, norm(), mlp, post_norm=False)

@@ -19,6 +19,7 @@ their public names.
 """
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -51,6 +52,7 @@ from ._hf_folder import SavedTensors
 from ._tensor_maps import TensorMap as TensorMap
 from ._tensor_maps import conv1d as conv1d
 from ._tensor_maps import experts as experts
+from ._tensor_maps import fused_conv1d as fused_conv1d
 from ._tensor_maps import fused_qkv as fused_qkv
 from ._tensor_maps import same as same
 from ._tensor_maps import split_rows as split_rows
@@ -69,8 +71,11 @@ TRACE_IDS = np.zeros((8,), np.int32)
 
 
 def _layer_count(model: Any, stack: str = "blocks") -> tuple[int, bool]:
-    """How many layers the field `stack` holds, and whether they are stacked (scanned)."""
-    blocks = getattr(model, stack)
+    """How many layers the field `stack` holds, and whether they are stacked (scanned).
+
+    A dotted `stack` names a field of a part (`encoder.blocks`, a ViT's in a
+    vision encoder-decoder)."""
+    blocks = functools.reduce(getattr, stack.split("."), model)
     if isinstance(blocks, tuple):
         return len(blocks), False
     leaf = jax.tree_util.tree_leaves(blocks)[0]
@@ -250,7 +255,8 @@ def load(cls: Any, path: str | Path, **options: Unpack[LoadOptions]) -> Any:
     values = read_config(folder)
     _check_model_type(values, cls, folder)
     config = dataclasses.replace(cls.config_class.from_dict(values), vocab_multiple=vocab_multiple)
-    config.padded_vocab_size  # noqa: B018 - checks vocab_multiple before anything is read
+    if hasattr(config, "vocab_size"):  # a ViT has no vocabulary
+        config.padded_vocab_size  # noqa: B018 - checks vocab_multiple before anything is read
     skeleton = eqx.filter_eval_shape(
         cls, config, scan_layers=scan_layers, remat=remat, key=jax.random.key(0)
     )

@@ -27,6 +27,7 @@ from .hf import HFConfig, read_config
 from .loss import lm_loss
 from .presets import PRESETS, preset
 from .seq2seq import AbstractSeq2SeqLM
+from .vision_encoder_decoder import VisionEncoderDecoder
 
 __all__ = ["memory_plan", "planned", "sharding_plan_of"]
 
@@ -79,6 +80,19 @@ def _seq2seq_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> ja
     ).mean()
 
 
+def _caption_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """Captions of `seq_len` tokens, each of an image of the encoder's size (blank: the
+    memory and FLOPs of a step do not depend on the pixels)."""
+    del key
+    ids = batch["input_ids"]
+    e = model.config.encoder
+    pixels = jnp.zeros((ids.shape[0], e.num_channels, e.image_size, e.image_size))
+    logits = jax.vmap(model)(pixels, ids[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), ids[:, 1:]
+    ).mean()
+
+
 def _whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
     """The decoders' loss on rows of exactly `seq_len` tokens (`rc.models.lm_loss`)."""
     return lm_loss(model, batch, key)[0]
@@ -100,15 +114,18 @@ def planned(model: str | HFConfig) -> planner.PlannedModel:
         return lambda key: cls(config, key=key, **options)
 
     seq2seq = issubclass(cls, AbstractSeq2SeqLM)
+    captions = issubclass(cls, VisionEncoderDecoder)
     heads = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
+    text = getattr(config, "decoder", config) if captions else config  # the GPT-2's
+    loss = _caption_loss if captions else _seq2seq_loss if seq2seq else planner.next_token_loss
     return planner.PlannedModel(
         name,
         build,
-        loss_fn=_seq2seq_loss if seq2seq else planner.next_token_loss,
+        loss_fn=loss,
         whole_rows_loss=_whole_rows_loss,
         example_call=cls.trace_call,
-        heads=_first_int(config, heads),
-        positions=_first_int(config, ("max_position_embeddings", "n_positions")),
+        heads=_first_int(text, heads),
+        positions=_first_int(text, ("max_position_embeddings", "n_positions")),
         no_context_parallel=(
             "context parallelism splits the decoders' causal attention (GPT-2, OPT, GPT-J, "
             "LLaMA); an encoder-decoder's masks cannot be split. Plan it with "

@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 from jax.typing import DTypeLike
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, Shaped
 
 from ..nn import Norm, RematPolicy, attention, normalise, table_dtype
 from ..parallel import fsdp
 from ..parallel.place import placement_hint
 from . import hf
 from ._stack import Stack, run_stack
-from .checks import check_range
+from .checks import as_int_array, check_range
 from .layers import MLP, KVCache, SwiGLU
 
 
@@ -226,7 +226,7 @@ class AbstractSeq2SeqLM(hf.HFModel):
     target token at every target position; batch it with `jax.vmap`. For generation,
     `encode` runs once, `cross_cache` computes every layer's cross-attention keys and
     values once, and `decode` feeds new target tokens through a key/value cache.
-    Concrete models: `T5`, `BART`.
+    Concrete models: `T5`, `BART`, and `VisionEncoderDecoder`, whose source is an image.
 
     Under FSDP each weight is gathered where it is used, as in the decoders
     (`redcoast.fsdp`): the layers' by `run_stack`, one layer at a time, and
@@ -307,6 +307,34 @@ class AbstractSeq2SeqLM(hf.HFModel):
         """
         ids = jnp.asarray(hf.TRACE_IDS)
         return self(ids, ids)
+
+    def generation_source(
+        self, source: ArrayLike, attention_mask: ArrayLike | None
+    ) -> tuple[Array, Array]:
+        """Check a batch of sources for `generate_seq2seq`: token ids `(batch, src)`, and
+        their mask (all ones when `None`).
+
+        Raises:
+            ValueError: not 2-D integer ids, sources of no tokens, 64-bit ids that JAX
+                would wrap to 32 bits, or a mask of another shape.
+        """
+        ids = as_int_array(source, "input_ids")
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(
+                f"input_ids must be integer token ids of shape (batch, src_len); got "
+                f"{ids.dtype} of shape {ids.shape}. For one source use ids[None]."
+            )
+        if ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids has shape {ids.shape}: sources of no tokens. Each source needs "
+                "at least one token (e.g. the tokenizer's EOS token)."
+            )
+        if attention_mask is None:
+            return ids, jnp.ones(ids.shape, jnp.int32)
+        mask = as_int_array(attention_mask, "attention_mask")
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask has shape {mask.shape}; input_ids has {ids.shape}.")
+        return ids, mask.astype(jnp.int32)
 
     def _check_ids(self, ids: Int[Array, " seq"], what: str) -> Int[Array, " seq"]:
         # jnp indexing clamps: a wrong id would embed as the last row without an error.
@@ -454,12 +482,21 @@ class AbstractSeq2SeqLM(hf.HFModel):
             Logits, `(seq, vocab)`.
         """
         del key
+        return self._teacher_forced(input_ids, decoder_input_ids, attention_mask)
+
+    def _teacher_forced(
+        self,
+        source: Shaped[Array, "..."],
+        decoder_input_ids: Int[Array, " seq"],
+        attention_mask: Bool[ArrayLike, " src"] | Int[ArrayLike, " src"] | None,
+    ) -> Float[Array, "seq vocab"]:
+        """The forward pass of `__call__` for whatever source `encode` takes (ids, an image)."""
         seq = decoder_input_ids.shape[0]
         self._check_length(seq, "decoder_input_ids")
         positions = jnp.arange(seq)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         with placement_hint():
-            cross = self.cross_cache(self.encode(input_ids, attention_mask))
+            cross = self.cross_cache(self.encode(source, attention_mask))
             logits, _ = self._decoder(
                 decoder_input_ids, positions, positions, causal, cross, None, 0, attention_mask
             )

@@ -17,10 +17,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Shaped
 
 from ..parallel._parallelism import Parallelism
-from .checks import as_int_array
 from .seq2seq import AbstractSeq2SeqLM
 
 # transformers' "impossible" score: added to beams that must not be chosen.
@@ -54,7 +53,7 @@ def _generate(
 
 def _loop(
     model: AbstractSeq2SeqLM,
-    input_ids: Int[Array, "batch src"],
+    input_ids: Shaped[Array, "batch ..."],  # token ids, or a VisionEncoderDecoder's images
     mask: Int[Array, "batch src"],
     key: PRNGKeyArray,
     *,
@@ -208,7 +207,7 @@ def _check(
 
 def generate_seq2seq(
     model: AbstractSeq2SeqLM,
-    input_ids: Int[ArrayLike, "batch src"],
+    input_ids: Shaped[ArrayLike, " batch *source"],
     *,
     max_new_tokens: int,
     attention_mask: Int[ArrayLike, "batch src"] | Bool[ArrayLike, "batch src"] | None = None,
@@ -230,8 +229,9 @@ def generate_seq2seq(
     model's config (`model.special_token`), as `transformers`' `generate` does.
 
     Args:
-        model: a `T5` or `BART`.
-        input_ids: source token ids, one source per row, right-padded.
+        model: a `T5`, `BART` or `VisionEncoderDecoder`.
+        input_ids: source token ids, one source per row, right-padded; for a
+            `VisionEncoderDecoder`, images `(batch, channels, height, width)`.
         max_new_tokens: the longest target to generate (the start token not counted).
         attention_mask: 1 for real source tokens, 0 for padding; default all real.
         num_beams: 1 for greedy decoding or sampling; more for beam search.
@@ -262,24 +262,12 @@ def generate_seq2seq(
         ...                        max_new_tokens=32, num_beams=4, length_penalty=0.8)
     """
     _check(max_new_tokens, num_beams, temperature, key, early_stopping)
-    ids = as_int_array(input_ids, "input_ids")
-    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+    if model.max_positions is not None and max_new_tokens > model.max_positions:
         raise ValueError(
-            f"input_ids must be integer token ids of shape (batch, src_len); got {ids.dtype} "
-            f"of shape {ids.shape}. For one source use ids[None]."
+            f"max_new_tokens={max_new_tokens} is more than {type(model).__name__}'s decoder "
+            f"has positions ({model.max_positions}); ask for at most {model.max_positions}."
         )
-    if ids.shape[1] == 0:
-        raise ValueError(
-            f"input_ids has shape {ids.shape}: sources of no tokens. Each source needs at "
-            "least one token (e.g. the tokenizer's EOS token)."
-        )
-    mask = (
-        jnp.ones(ids.shape, jnp.int32)
-        if attention_mask is None
-        else as_int_array(attention_mask, "attention_mask")
-    )
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask has shape {mask.shape}; input_ids has {ids.shape}.")
+    ids, mask = model.generation_source(input_ids, attention_mask)
 
     def token(given: int | None, name: str, fallback: int | None = None) -> int | None:
         value = model.special_token(name) if given is None else given

@@ -220,6 +220,14 @@ def _matmul_decision(
         want, why = ROW, f"input comes split from {paths[split_src[0]]}"
     elif info.role.get(paths[leaf]) == "o":
         want, why = ROW, "attention O: split on its input"
+    elif (fed := _feeds_heads(leaf, flow, info, paths)) is not None:
+        return Decision(
+            REP,
+            None,
+            f"its output feeds {fed}, which splits by heads and reads it whole (a "
+            "projection into attention, such as an encoder-decoder's enc_to_dec_proj): "
+            "replicated, as Megatron-LM keeps the residual stream whole",
+        )
     else:
         want = COL
         why = (
@@ -241,6 +249,17 @@ def _matmul_decision(
         why,
         comm,
     )
+
+
+def _feeds_heads(leaf: int, flow: Dataflow, info: ModelInfo, paths: list[str]) -> str | None:
+    """The path of an attention Q, K or V that reads `leaf`'s output, when `leaf` is
+    not itself one of attention's projections; else `None`."""
+    if info.role.get(paths[leaf]) is not None:
+        return None
+    for other in flow.order:
+        if info.role.get(paths[other]) in ("q", "k", "v") and leaf in flow.uses[other].taint:
+            return paths[other]
+    return None
 
 
 def _sizes(leaf: int, use: Use, shapes: list[tuple[int, ...]]) -> tuple[int, int] | None:

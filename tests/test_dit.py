@@ -1,0 +1,67 @@
+"""The text-conditioned DiT: its DDIM sampler is deterministic given a key, and the
+sharding rules split it as a hand-written layout does (Megatron blocks, the timestep
+MLP a column-row pair, adaLN modulations and the patch stem whole)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import redcoast as rc
+from redcoast._tree_paths import path_str
+from redcoast.models.dit import DiT, DiTConfig, ddim_sample, noise_prediction_loss
+
+CONFIG = DiTConfig(
+    image_size=8, patch_size=2, hidden_size=32, num_layers=2, num_heads=4, vocab_size=8
+)
+RNG = np.random.default_rng(0)
+IMAGES = jnp.asarray(RNG.normal(size=(8, 3, 8, 8)), jnp.float32)
+PROMPTS = jnp.asarray(RNG.integers(1, 8, (8, 2)), jnp.int32)
+
+
+def trained_looking() -> DiT:
+    """A DiT whose arrays, the zero-initialised modulations and output too, are drawn on
+    the host (compiling nothing), so that the predicted noise depends on the image, the
+    step and the prompt."""
+    skeleton = eqx.filter_eval_shape(DiT, CONFIG, key=jax.random.key(0))
+    rng = np.random.default_rng(1)
+
+    def draw(leaf: object) -> object:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        return jnp.asarray(rng.normal(0.0, 0.1, leaf.shape).astype(leaf.dtype))
+
+    return jax.tree.map(draw, skeleton)
+
+
+def test_ddim_sampler_is_deterministic_given_a_key() -> None:
+    model = trained_looking()
+    sample = eqx.filter_jit(lambda m, p, k: ddim_sample(m, p, k, steps=4))
+    first = sample(model, PROMPTS[:3], jax.random.key(0))
+    assert first.shape == (3, 3, 8, 8) and bool(jnp.all(jnp.isfinite(first)))
+    np.testing.assert_array_equal(first, sample(model, PROMPTS[:3], jax.random.key(0)))
+    assert float(jnp.abs(first - sample(model, PROMPTS[:3], jax.random.key(1))).max()) > 1e-3
+    # The prompt steers the sample: other words, another image from the same noise.
+    other = sample(model, PROMPTS[3:6], jax.random.key(0))
+    assert float(jnp.abs(first - other).max()) > 1e-3
+
+
+def test_sharding_rules_split_the_dit_as_its_hand_layout() -> None:
+    model = trained_looking()
+    key = jax.random.key(0)
+    plan = rc.sharding_plan(
+        model, 2, example_call=lambda m: noise_prediction_loss(m, IMAGES, PROMPTS, key)
+    )
+    flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))
+    specs = jax.tree_util.tree_leaves(plan.specs, is_leaf=lambda x: isinstance(x, P))
+    got = {path_str(p): tuple(s) for (p, _), s in zip(flat, specs, strict=True)}
+    column, row = ("model", None), (None, "model")
+    for layer in ("blocks.0.", "blocks.1."):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            assert got[f"{layer}attn.{proj}.weight"] == column
+        assert got[layer + "attn.o_proj.weight"] == row
+        assert (got[layer + "mlp.fc_in.weight"], got[layer + "mlp.fc_out.weight"]) == (column, row)
+        assert got[layer + "modulation.weight"] == ()  # it scales and shifts: whole
+    assert (got["time_in.weight"], got["time_out.weight"]) == (column, row)
+    assert got["patch_embed.weight"] == got["final_modulation.weight"] == ()
