@@ -162,6 +162,7 @@ SLOW = {
     "test_quant.py::test_a_scanned_stack_decodes_one_layer_at_a_time": ["nf4"],
     "test_quant.py::test_a_qlora_run_resumes_step_exactly_and_refuses_another_base": [],
     "test_quant.py::test_nf4_equals_bitsandbytes": [],
+    "test_quant.py::test_the_weight_decodes_tile_by_tile_forward_and_backward": ["int8"],
     "test_lora.py::test_resuming_lora_with_another_alpha_rank_dropout_or_targets_is_refused": [
         "whole_model",
         "trainable",

@@ -600,3 +600,33 @@ def test_bf16_compute_keeps_the_quantized_format():
     got = jax.vmap(half)(x.astype(jnp.bfloat16))
     assert got.dtype == jnp.bfloat16
     chex.assert_trees_all_close(got.astype(jnp.float32), jax.vmap(model)(x), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_the_weight_decodes_tile_by_tile_forward_and_backward(fmt, monkeypatch):
+    n_out, n_in = 2048, 512
+    layer = rc.quant.quantized(_linear(n_in, n_out, std=0.02), fmt)
+    x = jax.random.normal(jax.random.key(1), (8, n_in))
+    arrays, static = eqx.partition(layer, eqx.is_array)
+
+    def grad_x(a, x):
+        return jax.grad(lambda x: jnp.sum(eqx.combine(a, static).over_tokens(x) ** 2))(x)
+
+    def run(f):  # a new function each time: traced again, with MAX_TILES as it is now
+        compiled = jax.jit(lambda a, x: f(a, x)).lower(arrays, x).compile()
+        return compiled(arrays, x), compiled.memory_analysis().temp_size_in_bytes
+
+    forward = lambda a, x: eqx.combine(a, static).over_tokens(x)  # noqa: E731
+    assert rc.quant._layers.tiles(n_out) == 16 and rc.quant._layers.tiles(96) == 1
+    (y, y_temp), (g, g_temp) = run(forward), run(grad_x)
+    # Beside the codes reordered into tiles, at most two decoded tiles of 128 rows: no
+    # buffer of the decoded weight.
+    weight = n_out * n_in * 4
+    codes = sum(a.nbytes for a in jax.tree.leaves(arrays))
+    bound = 2 * codes + 2 * weight // 16
+    assert y_temp < bound < weight and g_temp < bound, (y_temp, g_temp, bound)
+    monkeypatch.setattr(rc.quant._layers, "MAX_TILES", 1)  # decode whole: same numbers
+    (y_whole, y_whole_temp), (g_whole, _) = run(forward), run(grad_x)
+    assert y_whole_temp >= weight, y_whole_temp
+    np.testing.assert_allclose(y, y_whole, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, g_whole, rtol=1e-5, atol=1e-6)

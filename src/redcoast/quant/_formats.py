@@ -21,6 +21,7 @@ __all__ = [
     "dequantize_nf4",
     "dynamic_map",
     "nf4_absmax",
+    "nf4_rows",
     "quantize_int8",
     "quantize_nf4",
 ]
@@ -168,11 +169,18 @@ def dequantize_nf4(
     dtype: jnp.dtype,
 ) -> Float[Array, "out in"]:
     """The weight `(out, in)` in `dtype` from `quantize_nf4`'s arrays (products in float32)."""
-    n_out, half = codes.shape
-    idx = jnp.stack([codes >> 4, codes & 0xF], axis=-1).reshape(n_out, half * 2)
-    values = _select16(idx, NF4_CODE).reshape(n_out, -1, NF4_BLOCK)
-    absmax = nf4_absmax(absmax_codes, absmax_scale, offset)
-    return (values * absmax[..., None]).reshape(n_out, half * 2).astype(dtype)
+    return nf4_rows(codes, nf4_absmax(absmax_codes, absmax_scale, offset), dtype)
+
+
+def nf4_rows(
+    codes: UInt8[Array, "rows in_half"], absmax: Float[Array, "rows in_blocks"], dtype: jnp.dtype
+) -> Float[Array, "rows in"]:
+    """Rows of the weight in `dtype` from their codes and their blocks' absmax scales
+    (`nf4_absmax`): any subset of rows decodes alone, since no block crosses a row."""
+    n_rows, half = codes.shape
+    idx = jnp.stack([codes >> 4, codes & 0xF], axis=-1).reshape(n_rows, half * 2)
+    values = _select16(idx, NF4_CODE).reshape(n_rows, -1, NF4_BLOCK)
+    return (values * absmax[..., None]).reshape(n_rows, half * 2).astype(dtype)
 
 
 def quantize_int8(w: Float[Array, "out in"]) -> tuple[Array, Float[Array, " out"]]:

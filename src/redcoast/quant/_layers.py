@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
@@ -52,14 +53,57 @@ def _abstract(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype), shape)
 
 
+MAX_TILES = 16
+"""At most this many tiles of output rows per matmul: the decoded weight a quantized
+Linear holds at once is 1/16 of it for large layers."""
+
+MIN_TILE_ROWS = 128
+"""No tile has fewer output rows than this (small layers decode whole, in one matmul)."""
+
+
+def tiles(n_out: int) -> int:
+    """How many tiles of output rows a weight of `n_out` rows decodes in: the largest
+    power of two up to `MAX_TILES` that divides `n_out` into tiles of at least
+    `MIN_TILE_ROWS` rows."""
+    t = 1
+    while t < MAX_TILES and n_out % (2 * t) == 0 and n_out // (2 * t) >= MIN_TILE_ROWS:
+        t *= 2
+    return t
+
+
 @functools.partial(
     jax.checkpoint, static_argnums=(0,), policy=jax.checkpoint_policies.nothing_saveable
 )
-def _product(decode: Callable[..., Array], rows: Array, *arrays: Array) -> Array:
-    """`rows @ W^T`, `W = decode(*arrays)` in `rows`' dtype; the backward pass decodes `W`
-    again instead of keeping it, so no decoded weight outlives its matmul."""
-    w = decode(*arrays, rows.dtype)
+def _tile_product(decode: Callable[..., Array], rows: Array, *tile: Array) -> Array:
+    """`rows @ W_tile^T`, the tile of rows decoded in `rows`' dtype; the backward pass
+    decodes it again instead of keeping it."""
+    w = decode(*tile, rows.dtype)
     return jax.lax.dot_general(rows, w, (((1,), (1,)), ((), ())))
+
+
+@functools.partial(
+    jax.checkpoint, static_argnums=(0, 1, 2), policy=jax.checkpoint_policies.nothing_saveable
+)
+def _product(
+    row_arrays: Callable[..., tuple[Array, ...]],
+    decode: Callable[..., Array],
+    t: int,
+    rows: Array,
+    *arrays: Array,
+) -> Array:
+    """`rows @ W^T`, `W` decoded in `t` tiles of its output rows inside a loop, so that
+    one tile of the decoded weight is in memory at a time, forward and backward.
+
+    Tile `j` holds rows `j, j + t, j + 2t, ...` of `t` tiles: a split of the rows over
+    devices (contiguous blocks) stays a split of every tile, and the loop runs over an
+    axis no device splits.
+    """
+    by_row = row_arrays(*arrays)
+    if t == 1:
+        return _tile_product(decode, rows, *by_row)
+    stacked = [rearrange(a, "(o t) ... -> t o ...", t=t) for a in by_row]
+    _, ys = jax.lax.scan(lambda _, tile: (None, _tile_product(decode, rows, *tile)), None, stacked)
+    return rearrange(ys, "t n o -> n (o t)")
 
 
 class _Quantized(AbstractQuantized):
@@ -77,20 +121,32 @@ class _Quantized(AbstractQuantized):
     def _decode(*arrays: Any) -> Array:
         raise NotImplementedError
 
+    @staticmethod
+    def _by_row(*arrays: Any) -> tuple[Array, ...]:
+        """One layer's arrays as arrays of one row per output row (tiles slice them)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _decode_rows(*arrays: Any) -> Array:
+        """Rows of the weight in the dtype given last, from `_by_row`'s arrays' rows."""
+        raise NotImplementedError
+
     @property
     def weight_shape(self) -> tuple[int, ...]:
         """`(*layers, out, in)`: the shape of the weight it stands for."""
         return (*self._arrays()[0].shape[:-2], self.out_features, self.in_features)
 
     def over_tokens(self, x: Float[Array, "*tokens in"]) -> Float[Array, "*tokens out"]:
-        """`x @ W^T + b` on every row of `x`, `W` decoded in `x`'s dtype inside the matmul."""
+        """`x @ W^T + b` on every row of `x`, `W` decoded in `x`'s dtype inside the matmul,
+        tile by tile of its output rows (see `tiles`)."""
         if self._arrays()[0].ndim != 2:
             raise ValueError(
                 f"{type(self).__name__} holds {self.weight_shape[:-2]} stacked layers; call "
                 "it on one layer's slice (as a scan over the layers does), or dequantize it."
             )
         rows = x.reshape(-1, x.shape[-1])
-        y = _product(self._decode, rows, *self._arrays())
+        t = tiles(self.out_features)
+        y = _product(self._by_row, self._decode_rows, t, rows, *self._arrays())
         y = checkpoint_name(y.reshape(*x.shape[:-1], self.out_features), PROJECTION)
         return y if self.bias is None else y + self.bias.astype(y.dtype)
 
@@ -169,6 +225,15 @@ class NF4Linear(_Quantized):
         codes, absmax_codes, absmax_scale, offset, dtype = arrays
         return _formats.dequantize_nf4(codes, absmax_codes, absmax_scale, offset, dtype)
 
+    @staticmethod
+    def _by_row(*arrays: Any) -> tuple[Array, ...]:
+        codes, absmax_codes, absmax_scale, offset = arrays
+        return codes, _formats.nf4_absmax(absmax_codes, absmax_scale, offset)
+
+    @staticmethod
+    def _decode_rows(*arrays: Any) -> Array:
+        return _formats.nf4_rows(*arrays)
+
     def specs_from(self, linear: eqx.nn.Linear, sizes: dict[str, int]) -> tuple[Any, str]:
         """Codes and block absmaxes split as the weight's rows and, when whole blocks of
         64 fall to each shard, its columns; the second level is split only on layers."""
@@ -216,6 +281,14 @@ class Int8Linear(_Quantized):
     def _decode(*arrays: Any) -> Array:
         codes, scale, dtype = arrays
         return _formats.dequantize_int8(codes, scale, dtype)
+
+    @staticmethod
+    def _by_row(*arrays: Any) -> tuple[Array, ...]:
+        return arrays
+
+    @staticmethod
+    def _decode_rows(*arrays: Any) -> Array:
+        return _formats.dequantize_int8(*arrays)
 
     def specs_from(self, linear: eqx.nn.Linear, sizes: dict[str, int]) -> tuple[Any, str]:
         """Codes split as the weight; each row's scale with the rows."""
