@@ -500,6 +500,17 @@ def test_from_hf_quantizes_each_layer_weight_as_it_is_read(tmp_path, scan_layers
     )
 
 
+@pytest.mark.slow  # the resume above is the fast check of adapters over a quantized base
+def test_a_peft_adapter_saved_from_a_quantized_base_loads_back_onto_it(tmp_path):
+    base = rc.quantize(_llama(), PROJECTIONS, "nf4")
+    tuned = _nonzero_b(rc.lora.apply(base, ["q_proj", "v_proj"], rank=4, key=jax.random.key(1)))
+    rc.lora.save_peft(tuned, tmp_path)
+    loaded = rc.lora.load_peft(base, tmp_path)
+    assert isinstance(loaded.blocks.attn.q_proj.base, rc.quant.NF4Linear)
+    logits = eqx.filter_jit(lambda m: jax.vmap(m)(IDS[:2]))
+    np.testing.assert_array_equal(logits(loaded), logits(tuned))
+
+
 @pytest.mark.slow  # from_hf without a mesh above is the fast sibling
 def test_from_hf_quantized_onto_a_mesh_is_placed_as_the_rules_say(tmp_path):
     model = _llama()

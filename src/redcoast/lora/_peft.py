@@ -28,6 +28,7 @@ from safetensors.numpy import load_file, save_file
 
 from .._tree_paths import leaves_with_paths, path_str
 from ..distributed._host import to_host
+from ..nn import AbstractQuantized
 from ._layers import LoRAEmbedding, LoRALinear, adapted_paths, apply, check_alpha, lora_layers
 
 CONFIG = "adapter_config.json"
@@ -69,8 +70,8 @@ def _modules(model: Any) -> dict[str, tuple[str, int | None, bool]]:
             "rc.save_checkpoint."
         )
 
-    def is_linear(x: Any) -> bool:
-        return isinstance(x, eqx.nn.Linear | LoRALinear)
+    def is_linear(x: Any) -> bool:  # a quantized base (QLoRA) takes adapters as a Linear
+        return isinstance(x, eqx.nn.Linear | LoRALinear | AbstractQuantized)
 
     linears = {path for path, x in leaves_with_paths(model, is_linear) if is_linear(x)}
     out: dict[str, tuple[str, int | None, bool]] = {}
@@ -420,4 +421,5 @@ def _layers(model: Any, path: str) -> int:
     node = model
     for part in path.split("."):
         node = getattr(node, part)
-    return int(node.weight.shape[0])
+    shape = node.weight_shape if isinstance(node, AbstractQuantized) else node.weight.shape
+    return int(shape[0])
