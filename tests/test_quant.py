@@ -500,7 +500,7 @@ def test_from_hf_quantizes_each_layer_weight_as_it_is_read(tmp_path, scan_layers
     )
 
 
-@pytest.mark.slow  # the resume above is the fast check of adapters over a quantized base
+@pytest.mark.slow  # test_lora_wraps_a_quantized_base_... is the fast check of adapters on it
 def test_a_peft_adapter_saved_from_a_quantized_base_loads_back_onto_it(tmp_path):
     base = rc.quantize(_llama(), PROJECTIONS, "nf4")
     tuned = _nonzero_b(rc.lora.apply(base, ["q_proj", "v_proj"], rank=4, key=jax.random.key(1)))
