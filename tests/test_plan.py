@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
 from redcoast.cli import main
+from redcoast.plan._targets import StepEstimate
 
 SMALL = rc.models.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)
 
@@ -241,12 +242,20 @@ def test_the_cli_plans_context_parallelism(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["layout"]["context_parallel"] is True
 
 
-def test_the_search_tries_every_layout_without_context_parallelism_first(monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def one_plan() -> rc.MemoryPlan:
+    """One compiled plan, whose figures the search tests give every layout."""
+    return rc.memory_plan(SMALL, devices=8, seq_len=32, max_batch=False)
+
+
+def test_the_search_tries_every_layout_without_context_parallelism_first(
+    monkeypatch, one_plan
+) -> None:
     """The search's order, with each layout's compiled figures replaced by one plan's
     (compiling every layout at 512 tokens takes minutes: the exhaustive test below)."""
     from redcoast.plan import planner
 
-    one = rc.memory_plan(SMALL, devices=8, seq_len=32, max_batch=False)
+    one = one_plan
     measured = []
 
     def measure(job, layout, budget):
@@ -271,6 +280,43 @@ def test_the_search_tries_every_layout_without_context_parallelism_first(monkeyp
     assert flags == [False] * (len(flags) - 1) + [True] and len(flags) == 4 * 10 + 1
     assert len({str(layout) for layout in measured}) == len(measured)
     assert [layout for layout, _ in found.tried] == [str(x) for x in measured[:-1]]
+
+
+def test_a_search_by_time_returns_the_fastest_layout_that_fits(monkeypatch, one_plan) -> None:
+    """Every layout is measured, and of those that fit the most tokens per second wins;
+    by memory the first that fits does (figures replaced as in the test above)."""
+    from redcoast.plan import planner
+
+    estimate = StepEstimate(1.0, 1.0, 0.5, 0.1, 1.0, 0.5, 1e9, 1e9)
+    measured = []
+
+    def measure(job, layout, budget):
+        measured.append(layout)
+        speed = {"none": 1.0, "attention": 3.0, "dots": 2.0, "full": 5.0}[layout.remat]
+        speed += layout.n_model_shards / 10 - layout.fsdp / 100
+        fits = layout.remat != "full"  # the fastest by estimate does not fit
+        return dataclasses.replace(
+            one_plan,
+            layout=layout,
+            peak=budget if fits else budget + 1,
+            device_memory=budget,
+            estimate=dataclasses.replace(estimate, tokens_per_second=speed),
+        )
+
+    monkeypatch.setattr(planner, "_measure", measure)
+    options = dict(devices=8, seq_len=32, device_memory="1GB", search=True, max_batch=False)
+    first = rc.memory_plan(SMALL, **options)
+    assert len(measured) == 1 and first.layout == measured[0]
+    measured.clear()
+    fastest = rc.memory_plan(SMALL, rank_by="time", **options)
+    assert fastest.fits and fastest.layout.remat == "attention" and not fastest.layout.fsdp
+    assert fastest.layout.n_model_shards == max(x.n_model_shards for x in measured)
+    assert len(fastest.tried) == len(measured) - 1
+    assert str(fastest.layout) not in {layout for layout, _ in fastest.tried}
+    with pytest.raises(ValueError, match="pass search=True"):
+        rc.memory_plan(SMALL, devices=8, seq_len=32, rank_by="time")
+    with pytest.raises(ValueError, match="rank_by must be one of"):
+        rc.memory_plan(SMALL, devices=8, seq_len=32, search=True, rank_by="?", device_memory="1GB")
 
 
 @pytest.mark.slow

@@ -279,6 +279,14 @@ def run() -> None:
 )
 @click.option("--search", is_flag=True, help="Find the cheapest layout that fits.")
 @click.option(
+    "--rank-by",
+    type=click.Choice(["memory", "time"]),
+    default="memory",
+    show_default=True,
+    help="With --search: the first layout that fits (memory), or of all that fit the one "
+    "with the most estimated tokens/s (time; compiles every layout).",
+)
+@click.option(
     "--longest-seq", is_flag=True, help="Also find the longest sequence that fits in the memory."
 )
 @click.option(
@@ -328,6 +336,7 @@ def plan(
     context_parallel: bool,
     device_memory: str | None,
     search: bool,
+    rank_by: str,
     longest_seq: bool,
     lora_rank: int,
     lora_targets: str | None,
@@ -368,6 +377,7 @@ def plan(
                 context_parallel=context_parallel,
                 device_memory=device_memory,
                 search=search,
+                rank_by=rank_by,
                 longest_seq=longest_seq,
                 lora_rank=lora_rank,
                 lora_targets=lora_targets,

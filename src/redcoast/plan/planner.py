@@ -263,6 +263,14 @@ def _longest_seq(job: _Job, first: MemoryPlan, budget: int) -> int | None:
     return fit
 
 
+RANKINGS = ("memory", "time")
+"""What a search ranks the layouts that fit by (`memory_plan`'s `rank_by`)."""
+
+
+def _tokens_per_second(plan: MemoryPlan) -> float:
+    return 0.0 if plan.estimate is None else plan.estimate.tokens_per_second
+
+
 def _candidates(layout: Layout, model: PlannedModel) -> Iterator[Layout]:
     """Layouts cheapest first: no remat before attention's before dots before full;
     within each, layouts without sequence parallelism before those with it; fewer
@@ -326,6 +334,7 @@ def memory_plan(
     preference: str | None = None,
     device_memory: int | str | None = None,
     search: bool = False,
+    rank_by: str = "memory",
     max_batch: bool = True,
     longest_seq: bool = False,
     lora_rank: int = 0,
@@ -362,6 +371,10 @@ def memory_plan(
             (`"32GB"`, `"40GiB"`; a bare `"40"` is refused) or an int of bytes.
         search: find the cheapest layout that fits `device_memory` instead (see
             `_candidates` for the order); the given layout is the first tried.
+        rank_by: what `search` returns: `"memory"`, the first layout in that order
+            that fits; `"time"`, of every layout that fits, the one with the most
+            tokens per second by the step-time estimate (`StepEstimate`, a roofline:
+            it compiles every layout whose weights could fit, so it takes longer).
         max_batch: with `device_memory`, also find the largest per-device batch that
             fits (two or three more compiles).
         longest_seq: with `device_memory`, also find the longest sequence that fits
@@ -419,10 +432,14 @@ def memory_plan(
         model = PlannedModel.of_factory(model)
     job = _Job(model, lora, hardware)
     _check_layout(layout, model, compiles_here=hardware.kind != "tpu")
+    if rank_by not in RANKINGS:
+        raise ValueError(f"rank_by must be one of {list(RANKINGS)}, got {rank_by!r}.")
+    if rank_by != "memory" and not search:
+        raise ValueError(f"rank_by={rank_by!r} ranks the layouts a search tries: pass search=True.")
     if search:
         if budget is None:
             raise ValueError("search needs device_memory, the budget a layout must fit in.")
-        result = _search(job, layout, budget)
+        result = _search(job, layout, budget, by_time=rank_by == "time")
     else:
         result = _measure(job, layout, budget)
     if max_batch and budget is not None and result.fits:
@@ -432,8 +449,11 @@ def memory_plan(
     return result
 
 
-def _search(job: _Job, layout: Layout, budget: int) -> MemoryPlan:
+def _search(job: _Job, layout: Layout, budget: int, *, by_time: bool = False) -> MemoryPlan:
+    """The first layout of `_candidates` that fits; `by_time`, of all that fit, the one
+    with the most estimated tokens per second (the earliest among equals)."""
     tried: list[tuple[str, int | None]] = []
+    fitting: list[MemoryPlan] = []
     abstract = eqx.filter_eval_shape(job.model.build("none"), jax.random.key(0))
     arrays = eqx.filter(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(arrays))
@@ -443,9 +463,15 @@ def _search(job: _Job, layout: Layout, budget: int) -> MemoryPlan:
             tried.append((str(candidate), None))
             continue
         last = _measure(job, candidate, budget)
-        if last.fits:
+        if last.fits and not by_time:
             return dataclasses.replace(last, tried=tuple(tried))
+        if last.fits:
+            fitting.append(last)
         tried.append((str(candidate), last.peak))
+    if fitting:
+        best = max(fitting, key=_tokens_per_second)  # max keeps the first of equals
+        tried = [t for t in tried if t[0] != str(best.layout)]
+        return dataclasses.replace(best, tried=tuple(tried))
     if last is None:
         # Arithmetic ruled out every layout; compile the most frugal one to show by how much.
         frugal = list(_candidates(layout, job.model))[-1]
