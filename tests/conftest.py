@@ -179,10 +179,10 @@ SLOW = {
 }
 
 
-def _named(table: dict[str, list[str]], ids: dict[str, pytest.Item]) -> set[str]:
-    """The node ids a table names: a test's cases, or the test itself for `[]`; a name
-    its collected test does not have is an error (a renamed case would otherwise run
-    in another session again)."""
+def _named(table: dict[str, list[str]], ids: dict[str, pytest.Item], strict: bool) -> set[str]:
+    """The node ids a table names: a test's cases, or the test itself for `[]`; when
+    whole files are collected (`strict`), a name its test does not have is an error (a
+    renamed case would otherwise run in another session again)."""
     named = {
         f"{test}[{case}]" if case else test
         for test, cases in table.items()
@@ -190,15 +190,17 @@ def _named(table: dict[str, list[str]], ids: dict[str, pytest.Item]) -> set[str]
     }
     tests = {node.split("[")[0] for node in ids}
     unknown = sorted(n for n in named - ids.keys() if n.split("[")[0] in tests)
-    if unknown:
+    if unknown and strict:
         raise pytest.UsageError(f"tests/conftest.py names cases not collected: {unknown}")
     return named & ids.keys()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark `LATER`'s cases `exhaustive` and `SLOW`'s `slow`."""
     ids = {item.nodeid.removeprefix("tests/"): item for item in items}
-    for node in _named(LATER, ids):
+    # Cases picked by node id (`file.py::test[case]`) leave the test's other cases out.
+    strict = not any("::" in arg for arg in config.args)
+    for node in _named(LATER, ids, strict):
         ids[node].add_marker(pytest.mark.exhaustive)
-    for node in _named(SLOW, ids):
+    for node in _named(SLOW, ids, strict):
         ids[node].add_marker(pytest.mark.slow)
