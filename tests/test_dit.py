@@ -1,6 +1,7 @@
-"""The text-conditioned DiT: its DDIM sampler is deterministic given a key, and the
+"""The text-conditioned DiT: its DDIM sampler is deterministic given a key, the
 sharding rules split it as a hand-written layout does (Megatron blocks, the timestep
-MLP a column-row pair, adaLN modulations and the patch stem whole)."""
+MLP a column-row pair, adaLN modulations and the patch stem whole), images of the wrong
+shape or dtype are refused, its FSDP step equals one device's, and the planner plans it."""
 
 import equinox as eqx
 import jax
@@ -14,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import redcoast as rc
 from redcoast._tree_paths import path_str
 from redcoast.models.dit import DiT, DiTConfig, ddim_sample, noise_prediction_loss
+from redcoast.models.planning import sharding_plan_of
 
 CONFIG = DiTConfig(
     image_size=8, patch_size=2, hidden_size=32, num_layers=2, num_heads=4, vocab_size=8
@@ -113,3 +115,20 @@ def test_fsdp_train_step_equals_one_device() -> None:
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-5)
 
+
+# The planner compiles the step (several seconds): `nox -s slow`.
+@pytest.mark.slow
+def test_the_planner_plans_the_dit() -> None:
+    plan = rc.memory_plan(CONFIG, devices=8, n_model_shards=2, seq_len=2, per_device_batch_size=2)
+    split = sharding_plan_of(CONFIG, plan.layout)
+    assert (
+        split.total_bytes
+        == plan.n_params * 4
+        == 4
+        * sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(trained_looking(), eqx.is_array)))
+    )
+    assert plan.layout.n_model_shards == 2
+    assert plan.params == split.bytes_per_device < split.total_bytes
+    assert plan.activations > 0 and "DiT" in str(plan)
+    with pytest.raises(ValueError, match="the DiT's sequence is its image's patches"):
+        rc.memory_plan(CONFIG, devices=8, n_model_shards=2, seq_len=8, context_parallel=True)
