@@ -29,6 +29,15 @@ KINDS = [(*a, r, *b) for a, r, b in itertools.product(PAIRS, RELATIONS, PAIRS) i
 CAPTIONS = ["a {} {} {} a {} {}".format(*kind) for kind in KINDS]
 
 
+def inside(shape: str, dy: np.ndarray, dx: np.ndarray, r: int) -> np.ndarray:
+    """The pixels of a shape of radius `r`, from each pixel's offsets to its centre."""
+    return {
+        "circle": dy**2 + dx**2 <= r**2,
+        "square": (abs(dy) <= r) & (abs(dx) <= r),
+        "triangle": (abs(dy) <= r) & (2 * abs(dx) <= dy + r),
+    }[shape]
+
+
 def draw(kind: tuple[str, ...], seed: int) -> np.ndarray:
     """The scene: the first shape above or left of the second, both jittered."""
     rng = np.random.default_rng(seed)
@@ -37,13 +46,8 @@ def draw(kind: tuple[str, ...], seed: int) -> np.ndarray:
     image = np.zeros((3, SIZE, SIZE), np.float32)
     for (colour, shape), along in zip((kind[:2], kind[3:]), ends, strict=True):
         cy, cx = (along, line) if kind[2] == "above" else (line, along)
-        dy, dx, r = y - cy - rng.integers(-1, 2), x - cx - rng.integers(-1, 2), 5
-        inside = {
-            "circle": dy**2 + dx**2 <= r**2,
-            "square": (abs(dy) <= r) & (abs(dx) <= r),
-            "triangle": (abs(dy) <= r) & (2 * abs(dx) <= dy + r),
-        }[shape]
-        image[:, inside] = np.array(COLOURS[colour], np.float32)[:, None]
+        dy, dx = y - cy - rng.integers(-1, 2), x - cx - rng.integers(-1, 2)
+        image[:, inside(shape, dy, dx, 5)] = np.array(COLOURS[colour], np.float32)[:, None]
     return image + rng.normal(0, 0.05, image.shape).astype(np.float32)
 
 

@@ -7,7 +7,8 @@ zoo (`rc.models.GPT2`, `Llama`, `OPT`, `GPTJ`, the encoder-decoders `T5` and `BA
 whose cross-attention and two FFNs are split too, and the ViT + GPT-2 captioner
 `VisionEncoderDecoder`) at the same size, and the
 architectures of `tests/architectures.py` (MoE, DiT, ViT, BERT, encoder-decoder,
-scan-over-layers, raw-array MLP), each with its own hand layout, LoRA GPT-2 and
+scan-over-layers, raw-array MLP) and the zoo's text-conditioned `DiT`, each with its
+own hand layout, LoRA GPT-2 and
 LLaMA (rank 8 on every projection) against Megatron-LM's layout with its LoRA, and
 today's families on the shared decoder (`--models family`: Llama 3, Qwen 2/3,
 Mistral, Mixtral against expert parallelism, Gemma 2/3, Phi-3). Layouts:
@@ -177,6 +178,20 @@ ARCHS: dict[str, tuple[Callable[[], eqx.Module], tuple[dict[str, P], ...]]] = {
         lambda: arch.DiT(4, 32, 4, 256, 4, 8, key=KEY),
         (arch.DIT_LAYOUT,),
     ),
+    "zoo dit (text-conditioned, adaLN-Zero)": (
+        lambda: rc.models.DiT(
+            rc.models.DiTConfig(
+                image_size=32,
+                patch_size=4,
+                hidden_size=256,
+                num_layers=4,
+                num_heads=8,
+                vocab_size=512,
+            ),
+            key=KEY,
+        ),
+        (arch.ZOO_DIT_LAYOUT,),
+    ),
     "vit (conv stem, 10 classes)": (
         lambda: arch.ViT(3, 32, 4, 256, 4, 8, 10, key=KEY),
         (arch.VIT_LAYOUT,),
@@ -254,6 +269,9 @@ def batch_for(name: str) -> object:
         return {"img": jax.random.normal(key, (16, 4, 32, 32)), "t": jnp.arange(16.0)}
     if name.startswith("vit"):
         return jax.random.normal(key, (16, 3, 32, 32))
+    if name.startswith("zoo dit"):
+        images = jax.random.normal(key, (16, 3, 32, 32))
+        return {"images": images, "prompts": jax.random.randint(key, (16, 8), 0, 512)}
     if "captioner" in name:
         pixels = jax.random.normal(key, (16, 3, 32, 32))
         return {"pixels": pixels, "ids": jax.random.randint(key, (16, 64), 0, 512)}
@@ -262,7 +280,11 @@ def batch_for(name: str) -> object:
 
 def forward(model: eqx.Module, x: object) -> jax.Array:
     """The model on a batch; an encoder-decoder reads the ids as source and target, a
-    captioner images and ids."""
+    captioner images and ids, the zoo's DiT noised images at steps 0, 1, ... and prompts."""
+    if isinstance(model, rc.models.DiT):
+        assert isinstance(x, dict)
+        steps = jnp.arange(x["images"].shape[0])
+        return jax.vmap(model)(x["images"], steps, x["prompts"])
     if isinstance(model, rc.models.VisionEncoderDecoder):
         assert isinstance(x, dict)
         return jax.vmap(model)(x["pixels"], x["ids"])

@@ -45,6 +45,7 @@ BARS = {
     "preference_simpo": ("accuracy_after", "min", 0.8, None),
     "captioning": ("rougeL", "min", 0.90, 300.0),
     "seq2seq": ("rougeL", "min", 0.90, 300.0),
+    "text_to_image": ("recognised", "min", 0.80, 300.0),
 }
 
 # A second row of an example, run with other options: row -> (example, options).

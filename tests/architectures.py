@@ -282,6 +282,25 @@ DIT_LAYOUT = {
     "out.bias": COL_B,
 }
 
+# The zoo's text-conditioned DiT (`redcoast.models.DiT`) by hand: Megatron blocks, the
+# timestep MLP a column-row pair, the word table split on the vocabulary (Megatron's
+# token embedding), the output projection column-parallel (Megatron's output head, as
+# DIT_LAYOUT), adaLN modulations and the patch convolution replicated.
+ZOO_DIT_LAYOUT = {
+    "words.weight": COL_W,
+    "time_in.weight": COL_W,
+    "time_in.bias": COL_B,
+    "time_out.weight": ROW_W,
+    **{f"blocks.*.attn.{p}_proj.weight": COL_W for p in "qkv"},
+    **{f"blocks.*.attn.{p}_proj.bias": COL_B for p in "qkv"},
+    "blocks.*.attn.o_proj.weight": ROW_W,
+    "blocks.*.mlp.fc_in.weight": COL_W,
+    "blocks.*.mlp.fc_in.bias": COL_B,
+    "blocks.*.mlp.fc_out.weight": ROW_W,
+    "out.weight": COL_W,
+    "out.bias": COL_B,
+}
+
 
 # ----------------------------------------------------------------------------- ViT
 

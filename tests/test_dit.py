@@ -1,16 +1,21 @@
-"""The text-conditioned DiT: its DDIM sampler is deterministic given a key, and the
+"""The text-conditioned DiT: its DDIM sampler is deterministic given a key, the
 sharding rules split it as a hand-written layout does (Megatron blocks, the timestep
-MLP a column-row pair, adaLN modulations and the patch stem whole)."""
+MLP a column-row pair, adaLN modulations and the patch stem whole), images of the wrong
+shape or dtype are refused, its FSDP step equals one device's, and the planner plans it."""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
 from redcoast._tree_paths import path_str
 from redcoast.models.dit import DiT, DiTConfig, ddim_sample, noise_prediction_loss
+from redcoast.models.planning import sharding_plan_of
 
 CONFIG = DiTConfig(
     image_size=8, patch_size=2, hidden_size=32, num_layers=2, num_heads=4, vocab_size=8
@@ -65,3 +70,65 @@ def test_sharding_rules_split_the_dit_as_its_hand_layout() -> None:
         assert got[layer + "modulation.weight"] == ()  # it scales and shifts: whole
     assert (got["time_in.weight"], got["time_out.weight"]) == (column, row)
     assert got["patch_embed.weight"] == got["final_modulation.weight"] == ()
+
+
+@pytest.mark.parametrize(
+    ("images", "message"),
+    [
+        (IMAGES[:, :, :4], r"shape \(8, 3, 4, 8\).*\(batch, 3, 8, 8\)"),
+        (jnp.moveaxis(IMAGES, 1, -1), r"shape \(8, 8, 8, 3\).*channels first"),
+        (IMAGES[0], r"shape \(3, 8, 8\).*\(batch, 3, 8, 8\)"),
+        (IMAGES.astype(jnp.int32), "dtype int32; pass floating-point pixels"),
+    ],
+)
+def test_images_of_the_wrong_shape_or_dtype_are_refused(images, message) -> None:
+    model = trained_looking()
+    with pytest.raises(ValueError, match=message):
+        noise_prediction_loss(model, images, PROMPTS, jax.random.key(0))
+    one = images if images.ndim == 3 else images[0]
+    if one.shape != (3, 8, 8) or one.dtype != jnp.float32:
+        with pytest.raises(ValueError, match="DiT: images of"):
+            model(one, jnp.array(3), PROMPTS[0])
+
+
+def _loss_fn(model: DiT, batch: dict, key: jax.Array) -> jax.Array:
+    return noise_prediction_loss(model, batch["images"], batch["prompts"], key)
+
+
+# Two compilations of the step on 8 simulated devices (several seconds): `nox -s slow`.
+@pytest.mark.slow
+def test_fsdp_train_step_equals_one_device() -> None:
+    model, key = trained_looking(), jax.random.key(0)
+    batch = {"images": IMAGES, "prompts": PROMPTS}
+    optimizer = optax.sgd(0.5)
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    _, _, want = eqx.filter_jit(rc.train_step(_loss_fn, optimizer, jit=False))(
+        model, state, batch, key
+    )
+    mesh = rc.make_mesh(2)  # 4 x 2
+    fsdp = rc.place(model, mesh, example_call=lambda m: _loss_fn(m, batch, key), fsdp=True)
+    axes = [jax.tree.leaves(tuple(leaf.sharding.spec)) for leaf in jax.tree.leaves(fsdp)]
+    assert any("data" in names for names in axes) and any("model" in names for names in axes)
+    state = optimizer.init(eqx.filter(fsdp, eqx.is_inexact_array))
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    _, _, got = rc.train_step(_loss_fn, optimizer, mesh=mesh)(fsdp, state, sharded, key)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-5)
+
+
+# The planner compiles the step (several seconds): `nox -s slow`.
+@pytest.mark.slow
+def test_the_planner_plans_the_dit() -> None:
+    plan = rc.memory_plan(CONFIG, devices=8, n_model_shards=2, seq_len=2, per_device_batch_size=2)
+    split = sharding_plan_of(CONFIG, plan.layout)
+    assert (
+        split.total_bytes
+        == plan.n_params * 4
+        == 4
+        * sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(trained_looking(), eqx.is_array)))
+    )
+    assert plan.layout.n_model_shards == 2
+    assert plan.params == split.bytes_per_device < split.total_bytes
+    assert plan.activations > 0 and "DiT" in str(plan)
+    with pytest.raises(ValueError, match="the DiT's sequence is its image's patches"):
+        rc.memory_plan(CONFIG, devices=8, n_model_shards=2, seq_len=8, context_parallel=True)

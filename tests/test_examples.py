@@ -25,6 +25,7 @@ SMOKE = {
     "maml": ["--max-steps", "10", "--n-test-tasks", "8"],
     "seq2seq": ["--max-steps", "4", "--eval-every", "2", "--per-device-batch-size", "4"],
     "captioning": ["--max-steps", "4", "--per-device-batch-size", "4"],
+    "text_to_image": ["--max-steps", "4", "--per-device-batch-size", "4"],
     "ppo": [
         "--n-iterations",
         "2",
@@ -44,6 +45,7 @@ EXPECTED = {
     "ppo": {"mean_return"},
     "seq2seq": {"rougeL", "rouge2", "exact"},
     "captioning": {"rougeL", "exact"},
+    "text_to_image": {"recognised", "colour", "shape"},
 }
 
 

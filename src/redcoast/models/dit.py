@@ -54,6 +54,35 @@ class DiTConfig:
                 )
 
 
+def _sincos_positions(side: int, hidden: int) -> Float[Array, "patches hidden"]:
+    """The DiT paper's 2-D sine-cosine table: a quarter of the features each for sin and
+    cos of the row and of the column; the initial value of the learned positions."""
+    quarter = hidden // 4
+    freqs = 1.0 / 10_000 ** (jnp.arange(quarter) / quarter)
+    rows, cols = jnp.meshgrid(jnp.arange(side), jnp.arange(side), indexing="ij")
+    ay = rearrange(rows, "h w -> (h w) 1") * freqs
+    ax = rearrange(cols, "h w -> (h w) 1") * freqs
+    table = jnp.concatenate([jnp.sin(ay), jnp.cos(ay), jnp.sin(ax), jnp.cos(ax)], axis=1)
+    return jnp.pad(table, ((0, 0), (0, hidden - 4 * quarter)))
+
+
+def _check_images(config: DiTConfig, images: Array, batched: bool) -> None:
+    """Refuse images that are not float arrays of the config's (channels, size, size)."""
+    want = (config.channels, config.image_size, config.image_size)
+    shape = tuple(images.shape)
+    if shape[int(batched) :] != want or len(shape) != 3 + batched:
+        raise ValueError(
+            f"DiT: images of shape {shape}; this DiT takes "
+            f"{'(batch, ' if batched else '('}{', '.join(map(str, want))}) channels first "
+            "(DiTConfig's channels and image_size): resize or transpose them."
+        )
+    if not jnp.issubdtype(images.dtype, jnp.floating):
+        raise ValueError(
+            f"DiT: images of dtype {images.dtype}; pass floating-point pixels "
+            "(for example uint8 scaled to [-1, 1] as float32)."
+        )
+
+
 def _modulate(
     x: Float[Array, "seq hidden"], shift: Float[Array, " hidden"], scale: Float[Array, " hidden"]
 ) -> Float[Array, "seq hidden"]:
@@ -91,6 +120,9 @@ class DiTBlock(eqx.Module):
 class DiT(eqx.Module):
     """A text-conditioned DiT predicting the noise in one image.
 
+    The learned positions start as the paper's 2-D sine-cosine table. Images of another
+    shape than `(channels, image_size, image_size)`, or not floating point, are refused.
+
     Args:
         config: the sizes.
         key: for the initialisation.
@@ -114,12 +146,11 @@ class DiT(eqx.Module):
     def __init__(self, config: DiTConfig, *, key: PRNGKeyArray):
         c, d = config, config.hidden_size
         keys = jax.random.split(key, 7)
-        patches = (c.image_size // c.patch_size) ** 2
         self.config = config
         self.patch_embed = eqx.nn.Conv2d(
             c.channels, d, c.patch_size, stride=c.patch_size, key=keys[0]
         )
-        self.positions = 0.02 * jax.random.normal(keys[1], (patches, d))
+        self.positions = _sincos_positions(c.image_size // c.patch_size, d)
         self.words = eqx.nn.Embedding(c.vocab_size, d, key=keys[2])
         self.time_in = eqx.nn.Linear(d, 4 * d, key=keys[3])
         self.time_out = eqx.nn.Linear(4 * d, d, key=keys[4])
@@ -144,15 +175,21 @@ class DiT(eqx.Module):
 
     def __call__(
         self,
-        image: Float[Array, "channels height width"],
+        image: Array,
         t: Int[Array, ""],
         prompt: Int[Array, " words"],
         *,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "channels height width"]:
-        """The predicted noise in `image`, a noised image at step `t` of `prompt`."""
+        """The predicted noise in `image` (float, `(channels, image_size, image_size)`), a
+        noised image at step `t` of `prompt`.
+
+        Raises:
+            ValueError: `image` of another shape or not floating point.
+        """
         del key
         c = self.config
+        _check_images(c, image, batched=False)
         p, side = c.patch_size, c.image_size // c.patch_size
         x = rearrange(self.patch_embed(image), "d h w -> (h w) d") + self.positions
         cond = self.condition(t, prompt)
@@ -174,11 +211,22 @@ def alphas_cumprod(timesteps: int) -> Float[Array, " timesteps"]:
 
 def noise_prediction_loss(
     model: DiT,
-    images: Float[Array, "batch c h w"],
+    images: Array,
     prompts: Int[Array, "batch words"],
     key: PRNGKeyArray,
 ) -> Float[Array, ""]:
-    """The standard DDPM loss: the mean squared error of the predicted noise."""
+    """The standard DDPM loss: the mean squared error of the predicted noise.
+
+    Args:
+        model: the DiT.
+        images: float `(batch, channels, image_size, image_size)`, clean.
+        prompts: their token ids, one prompt per row, padded with 0.
+        key: draws the steps and the noise.
+
+    Raises:
+        ValueError: images of another shape or not floating point.
+    """
+    _check_images(model.config, images, batched=True)
     kt, kn = jax.random.split(key)
     a = alphas_cumprod(model.config.timesteps)
     t = jax.random.randint(kt, (images.shape[0],), 0, model.config.timesteps)

@@ -3,8 +3,9 @@
 `planned` describes a zoo model to the planner (`redcoast.plan.planner.PlannedModel`):
 how to build it at each remat policy (stacked layers, as a large model is built),
 its loss (next-token cross-entropy; an encoder-decoder reads the sequence as its
-own source), its heads and positions, and why context parallelism cannot split an
-encoder-decoder. `memory_plan` and `sharding_plan_of` take what `planned` takes,
+own source; the text-conditioned DiT's is its noise-prediction loss, with prompts of
+`seq_len` ids), its heads and positions, and why context parallelism cannot split an
+encoder-decoder or the DiT. `memory_plan` and `sharding_plan_of` take what `planned` takes,
 or what the planner takes itself (a `PlannedModel`, or a factory of any model).
 """
 
@@ -23,6 +24,7 @@ from ..parallel._sharding_plan import ShardingPlan
 from ..plan import planner
 from ..plan._report import Layout, LoRA, MemoryPlan
 from .auto import ARCHITECTURES
+from .dit import DiT, DiTConfig, noise_prediction_loss
 from .hf import HFConfig, read_config
 from .loss import lm_loss
 from .presets import PRESETS, preset
@@ -31,9 +33,9 @@ from .vision_encoder_decoder import VisionEncoderDecoder
 
 __all__ = ["memory_plan", "planned", "sharding_plan_of"]
 
-Plannable = str | HFConfig | planner.PlannedModel | Callable[[PRNGKeyArray], Any]
+Plannable = str | HFConfig | DiTConfig | planner.PlannedModel | Callable[[PRNGKeyArray], Any]
 """What `memory_plan` takes: a preset name, a config.json path (or its folder), a zoo
-config, a `PlannedModel`, or a factory `key -> causal LM`."""
+config (a `DiTConfig` too), a `PlannedModel`, or a factory `key -> causal LM`."""
 
 
 def _class_of(model_type: Any) -> type[Any]:
@@ -93,18 +95,46 @@ def _caption_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> ja
     ).mean()
 
 
+def _dit_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """The noise-prediction loss of prompts of `seq_len` token ids, each with an image of
+    the DiT's size (blank: the memory and FLOPs of a step do not depend on the pixels)."""
+    prompts = batch["input_ids"]
+    c = model.config
+    images = jnp.zeros((prompts.shape[0], c.channels, c.image_size, c.image_size))
+    return noise_prediction_loss(model, images, prompts, key)
+
+
+def _planned_dit(config: DiTConfig) -> planner.PlannedModel:
+    """The DiT as the planner sees it: prompts of `seq_len` ids, no remat policies, and
+    no context parallelism (its sequence is the image's patches)."""
+    return planner.PlannedModel(
+        "DiT",
+        lambda _remat: lambda key: DiT(config, key=key),
+        loss_fn=_dit_loss,
+        whole_rows_loss=_dit_loss,
+        heads=config.num_heads,
+        no_context_parallel=(
+            "context parallelism splits a causal decoder's sequence; the DiT's sequence is "
+            "its image's patches, attended whole. Plan it without context_parallel."
+        ),
+        remats=False,
+    )
+
+
 def _whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
     """The decoders' loss on rows of exactly `seq_len` tokens (`rc.models.lm_loss`)."""
     return lm_loss(model, batch, key)[0]
 
 
-def planned(model: str | HFConfig) -> planner.PlannedModel:
+def planned(model: str | HFConfig | DiTConfig) -> planner.PlannedModel:
     """A zoo preset, config.json or config described to the planner.
 
     Raises:
         ValueError: an unknown preset, a file that is not a config.json, or a
             `model_type` the zoo does not have.
     """
+    if isinstance(model, DiTConfig):
+        return _planned_dit(model)
     name, cls, config = _resolve(model)
 
     def build(remat: str) -> Callable[[PRNGKeyArray], Any]:
@@ -137,7 +167,7 @@ def planned(model: str | HFConfig) -> planner.PlannedModel:
 
 
 def _plannable(model: Plannable) -> planner.PlannedModel | Callable[[PRNGKeyArray], Any]:
-    return planned(model) if isinstance(model, str | HFConfig) else model
+    return planned(model) if isinstance(model, str | HFConfig | DiTConfig) else model
 
 
 def memory_plan(model: Plannable, **options: Any) -> MemoryPlan:
@@ -161,8 +191,10 @@ def memory_plan(model: Plannable, **options: Any) -> MemoryPlan:
 
 
 def sharding_plan_of(
-    model: str | HFConfig | planner.PlannedModel, layout: Layout, lora: LoRA | None = None
+    model: str | HFConfig | DiTConfig | planner.PlannedModel,
+    layout: Layout,
+    lora: LoRA | None = None,
 ) -> ShardingPlan:
     """The `ShardingPlan` `memory_plan` uses for `model` under `layout`."""
-    found = planned(model) if isinstance(model, str | HFConfig) else model
+    found = planned(model) if isinstance(model, str | HFConfig | DiTConfig) else model
     return planner.sharding_plan_of(found, layout, lora)
