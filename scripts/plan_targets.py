@@ -50,6 +50,9 @@ FAMILIES = [
     "gemma-2-9b",
     "phi-3-mini",
 ]
+# Mixtral's experts are stacked arrays, not Linears, and its router has 8 outputs (less
+# than the rank): its adapters go on the attention projections, as PEFT users set them.
+LORA_TARGETS = {"mixtral-8x7b": "q_proj,k_proj,v_proj,o_proj"}
 FAMILY_ROWS = [
     (model, 4096, target, 16, False) for model in FAMILIES for target in ("l4-24gb", "v5e-1")
 ]
@@ -78,11 +81,13 @@ def main() -> None:
             precision="bf16",
             remat="full",
             lora_rank=rank,
+            lora_targets=LORA_TARGETS.get(model) if rank else None,
             max_batch=False,
         )
         seconds = time.perf_counter() - start
         step = plan.estimate
         training = f"LoRA rank {rank}" if rank else ("full, FSDP" if fsdp else "full")
+        training += " (attention)" if rank and model in LORA_TARGETS else ""
         verdict = "fits" if plan.fits else "does not fit"
         print(
             f"| {model} | {seq} | {target} | {training} | {fmt_bytes(plan.peak)} | {verdict} "
