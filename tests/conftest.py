@@ -176,6 +176,9 @@ SLOW = {
     "test_step.py::test_metrics_report_lr_from_inject_hyperparams_and_from_schedule": [],
     "test_fit.py::test_nonfinite_loss_raises_naming_the_step_or_is_skipped": [],
     "test_faults.py::test_simulated_devices_are_patient_at_collectives": [],
+    "test_input_checks.py::test_initialize_installs_nothing_process_wide_unless_asked": ["0-False"],
+    "test_fit.py::test_lr_in_metrics_jsonl_follows_the_schedule_at_optimizer_steps": [],
+    "test_fit.py::test_eval_every_and_final_evaluation": [],
 }
 
 
