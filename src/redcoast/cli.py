@@ -13,7 +13,7 @@ import click
 
 from . import __version__, _examples
 from .plan._targets import TARGETS
-from .plan.planner import PRECISIONS, PREFERENCES, REMATS
+from .plan.planner import PRECISIONS, PREFERENCES, RANKINGS, REMATS
 from .train.workdir import WorkdirInUseError
 
 
@@ -280,7 +280,7 @@ def run() -> None:
 @click.option("--search", is_flag=True, help="Find the cheapest layout that fits.")
 @click.option(
     "--rank-by",
-    type=click.Choice(["memory", "time"]),
+    type=click.Choice(RANKINGS),
     default="memory",
     show_default=True,
     help="With --search: the first layout that fits (memory), or of all that fit the one "

@@ -118,10 +118,6 @@ class _Quantized(AbstractQuantized):
         raise NotImplementedError
 
     @staticmethod
-    def _decode(*arrays: Any) -> Array:
-        raise NotImplementedError
-
-    @staticmethod
     def _by_row(*arrays: Any) -> tuple[Array, ...]:
         """One layer's arrays as arrays of one row per output row (tiles slice them)."""
         raise NotImplementedError
@@ -154,7 +150,8 @@ class _Quantized(AbstractQuantized):
         """The plain Linear it decodes to, in `dtype` (by default the weight's own)."""
         leading = len(self.weight_shape) - 2
         dtype = jnp.dtype(self.dtype if dtype is None else dtype)
-        w = _mapped(lambda *a: self._decode(*a, dtype), leading)(*self._arrays())
+        decode = lambda *a: self._decode_rows(*self._by_row(*a), dtype)  # noqa: E731
+        w = _mapped(decode, leading)(*self._arrays())
         linear = eqx.nn.Linear(
             self.in_features,
             self.out_features,
@@ -221,11 +218,6 @@ class NF4Linear(_Quantized):
         return (self.codes, self.absmax_codes, self.absmax_scale, self.offset)
 
     @staticmethod
-    def _decode(*arrays: Any) -> Array:
-        codes, absmax_codes, absmax_scale, offset, dtype = arrays
-        return _formats.dequantize_nf4(codes, absmax_codes, absmax_scale, offset, dtype)
-
-    @staticmethod
     def _by_row(*arrays: Any) -> tuple[Array, ...]:
         codes, absmax_codes, absmax_scale, offset = arrays
         return codes, _formats.nf4_absmax(absmax_codes, absmax_scale, offset)
@@ -276,11 +268,6 @@ class Int8Linear(_Quantized):
 
     def _arrays(self) -> tuple[Any, ...]:
         return (self.codes, self.scale)
-
-    @staticmethod
-    def _decode(*arrays: Any) -> Array:
-        codes, scale, dtype = arrays
-        return _formats.dequantize_int8(codes, scale, dtype)
 
     @staticmethod
     def _by_row(*arrays: Any) -> tuple[Array, ...]:
