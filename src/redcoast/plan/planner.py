@@ -435,7 +435,10 @@ def memory_plan(
     if rank_by not in RANKINGS:
         raise ValueError(f"rank_by must be one of {list(RANKINGS)}, got {rank_by!r}.")
     if rank_by != "memory" and not search:
-        raise ValueError(f"rank_by={rank_by!r} ranks the layouts a search tries: pass search=True.")
+        raise ValueError(
+            f"rank_by={rank_by!r} ranks the layouts a search tries: pass search=True "
+            "(redcoast plan --search)."
+        )
     if search:
         if budget is None:
             raise ValueError("search needs device_memory, the budget a layout must fit in.")
