@@ -522,6 +522,7 @@ def test_phi3s_fused_projections_have_no_peft_module_of_their_own(checkpoints, t
 PUBLISHED = {  # preset -> (parameters in billions, to 2 decimals)
     "llama-3.1-8b": 8.03,
     "llama-3.2-1b": 1.24,
+    "llama-3.2-3b": 3.21,
     "qwen2.5-7b": 7.62,
     "qwen3-8b": 8.19,
     "mistral-7b": 7.24,
@@ -529,14 +530,12 @@ PUBLISHED = {  # preset -> (parameters in billions, to 2 decimals)
     "gemma-2-9b": 9.24,
     "phi-3-mini": 3.82,
 }
+FAST_PRESETS = ("llama-3.2-1b", "llama-3.2-3b", "mixtral-8x7b", "phi-3-mini")
 
 
 @pytest.mark.parametrize(
     "preset",
-    [
-        p if p in ("llama-3.2-1b", "mixtral-8x7b", "phi-3-mini") else pytest.param(p, marks=SLOW)
-        for p in PUBLISHED
-    ],
+    [p if p in FAST_PRESETS else pytest.param(p, marks=SLOW) for p in PUBLISHED],
 )
 def test_presets_have_the_published_sizes(preset: str) -> None:
     cls, config = rc.models.preset(preset)

@@ -1,6 +1,6 @@
 """Named sizes of the zoo: the published configurations of GPT-2, LLaMA, GPT-J, OPT,
 BART and T5 (the original T5 1.0: `t5-xxl` is the 11B model), and of today's
-checkpoints: Llama 3.1 8B, Llama 3.2 1B, Qwen 2.5 7B, Qwen 3 8B, Mistral 7B (v0.1,
+checkpoints: Llama 3.1 8B, Llama 3.2 1B and 3B, Qwen 2.5 7B, Qwen 3 8B, Mistral 7B (v0.1,
 with its sliding window), Mixtral 8x7B, Gemma 2 9B and Phi-3 mini (4k).
 
 `preset("llama-7b")` gives the class and config of that model, as its
@@ -82,6 +82,23 @@ _TODAY: dict[str, tuple[type[Any], HFConfig]] = {
             num_attention_heads=32,
             num_key_value_heads=8,
             head_dim=64,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=_llama3(32.0),
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-3.2-3b": (
+        Llama,
+        LlamaConfig(
+            vocab_size=128256,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            head_dim=128,
             max_position_embeddings=131072,
             rms_norm_eps=1e-5,
             rope_theta=500000.0,
