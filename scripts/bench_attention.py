@@ -12,6 +12,11 @@ Two measures, each compiled on abstract shapes (nothing runs, nothing is allocat
   layers, scanned, no remat) on one row of packed documents (segment ids and
   positions), with each implementation.
 
+- **whole models** (`--whole`): the AdamW train step of the zoo's `llama-1b` (1.24B
+  parameters, 16 scanned layers, given `--whole-seqs` positions), one sequence, on 8
+  simulated devices under TP 8 + SP and FSDP 8 + CP (ring attention), as
+  `rc.memory_plan` compiles it, with each implementation: its activations and peak.
+
 From each compiled program XLA's temporary memory (`memory_analysis()`:
 activations, scores and workspace beyond the inputs and outputs). With `--time`,
 the attention's training pass at 2,048 tokens also runs (after a warm-up; the
@@ -22,6 +27,7 @@ compiled for one chip of a TPU v5e (`jax.experimental.topologies`) in bfloat16,
 with segment ids, by the einsum, blockwise and the Pallas splash kernel.
 
 Run: python scripts/bench_attention.py [--seqs 2048 8192 32768] [--layers 2] [--time] [--tpu]
+     [--whole [--whole-seqs 8192 32768]]
      (writes bench-results/bench_attention.json)
 """
 
@@ -102,6 +108,54 @@ def llama_step_temp(seq: int, layers: int, implementation: str) -> tuple[float, 
     return temp_mib(step, params, batch)
 
 
+WHOLE_LAYOUTS = {
+    "TP 8 + SP": {"n_model_shards": 8, "sequence_parallel": True},
+    "FSDP 8 + CP": {"fsdp": True, "context_parallel": True},
+}
+
+
+def whole_model_rows(seqs: list[int]) -> list[dict[str, object]]:
+    """llama-1b's train step on 8 devices per layout and implementation: activations and
+    peak per device (GiB), from `rc.memory_plan`."""
+    import dataclasses
+
+    from redcoast.models.planning import planned
+    from redcoast.models.presets import preset
+
+    cls, config = preset("llama-1b")
+    config = dataclasses.replace(config, max_position_embeddings=max(seqs))
+
+    def model(implementation: str):
+        def build(remat: str):
+            del remat  # no remat: the activations as the step keeps them
+            return lambda key: cls(config, scan_layers=True, attention=implementation, key=key)
+
+        return dataclasses.replace(planned(config), build=build)
+
+    rows = []
+    print("\nllama-1b train step, 8 devices, one sequence: activations (peak) GiB per device")
+    print(f"{'tokens':>8} {'layout':>12} {'einsum':>16} {'blockwise':>16} {'ratio':>7}")
+    for seq in seqs:
+        for layout, options in WHOLE_LAYOUTS.items():
+            row: dict[str, object] = {"tokens": seq, "layout": layout}
+            for implementation in IMPLEMENTATIONS:
+                plan = rc.memory_plan(
+                    model(implementation), devices=8, seq_len=seq, max_batch=False, **options
+                )
+                row[implementation] = plan.to_dict()
+            einsum, blockwise = (row[i] for i in IMPLEMENTATIONS)
+            assert isinstance(einsum, dict) and isinstance(blockwise, dict)
+            ratio = blockwise["activations"] / einsum["activations"]
+            row["ratio"] = ratio
+            shown = [
+                f"{d['activations'] / 2**30:.2f} ({d['peak'] / 2**30:.2f})"
+                for d in (einsum, blockwise)
+            ]
+            print(f"{seq:>8} {layout:>12} {shown[0]:>16} {shown[1]:>16} {ratio:>7.3f}", flush=True)
+            rows.append(row)
+    return rows
+
+
 def tpu_attention_temp(seq: int, implementation: str) -> float | None:
     """The training pass with segment ids, bfloat16, compiled for one TPU v5e chip;
     None when the compiler finds it does not fit the chip's 16 GB."""
@@ -152,14 +206,18 @@ def time_attention(seq: int, reps: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--seqs", type=int, nargs="*", default=[2048, 8192, 32768])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--llama-seqs", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tpu", action="store_true")
+    parser.add_argument("--whole", action="store_true")
+    parser.add_argument("--whole-seqs", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--out", type=Path, default=Path("bench-results/bench_attention.json"))
     args = parser.parse_args()
+    if args.whole and "host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", 8)
 
     results: dict[str, object] = {"load_average": os.getloadavg()[0]}
     rows = []
@@ -197,6 +255,9 @@ def main() -> None:
             ]
             print(f"{seq:>8} {shown[0]:>12} {shown[1]:>14} {shown[2]:>11}")
         results["tpu_v5e_attention"] = rows
+
+    if args.whole:
+        results["whole_model"] = whole_model_rows(args.whole_seqs)
 
     if args.time:
         seconds = time_attention(2048, args.reps)
