@@ -212,7 +212,8 @@ def test_on_the_tpu_compiler_a_scanned_stack_is_estimated_as_the_unrolled_one() 
 # A program as XLA:TPU prints it, cut to what the counts read: a loop of 8 whose counter
 # is unsigned (as in its windowed matmuls) and whose body updates one row of a table in
 # place; an all-gather written as its start, a computation overlapping it and its end;
-# a reduce-scatter fused as an all-reduce and a slice.
+# a collective-permute started and finished; a reduce-scatter fused as an all-reduce and
+# a slice.
 _TPU_TEXT = """HloModule tpu
 
 %body (p: (u32[], bf16[1000,64], bf16[64])) -> (u32[], bf16[1000,64], bf16[64]) {
@@ -282,6 +283,8 @@ ENTRY %main (table: bf16[1000,64], v: bf16[64], s: bf16[8,64], k: u32[]) -> bf16
   %fusion.1 = (bf16[64,64], bf16[8,64]) fusion(%shard0, %full0), calls=%async_collective_fusion.1
   %shard1 = bf16[8,64] get-tuple-element(%fusion.1), index=1
   %async-collective-done.1 = bf16[64,64] fusion(%shard1), kind=kCustom, calls=%finish
+  %cp = (bf16[8,64], bf16[8,64], u32[], u32[]) collective-permute-start(%s), channel_id=5
+  %cp.done = bf16[8,64] collective-permute-done(%cp)
   ROOT %fusion.2 = bf16[8,64] fusion(%async-collective-done.1, %k), calls=%all-reduce-scatter.1
 }
 """
@@ -295,8 +298,9 @@ def test_tpu_loops_updates_and_collectives_are_counted_as_they_run() -> None:
     loop = _hlo.bytes_accessed(_TPU_TEXT) - _hlo.bytes_accessed(_TPU_TEXT, once=True)
     assert 7 * 3 * row <= loop < 7 * 6 * row < table
     # The all-gather once, where it starts (64 x 64 bfloat16), not in the computation
-    # overlapping it nor where it ends; the fused reduce-scatter by its 8 x 64 shard.
-    assert _hlo.collective_bytes(_TPU_TEXT) == 64 * 64 * 2 + 8 * 64 * 2
+    # overlapping it nor where it ends; the permute by what it delivers (its start's
+    # result names its operand too); the fused reduce-scatter by its 8 x 64 shard.
+    assert _hlo.collective_bytes(_TPU_TEXT) == 64 * 64 * 2 + 8 * 64 * 2 + 8 * 64 * 2
 
 
 def test_a_pallas_kernel_counts_its_body_once_per_point_of_its_grid() -> None:

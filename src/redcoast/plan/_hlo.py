@@ -236,6 +236,7 @@ def collective_bytes(text: str) -> int:
     """Bytes that collectives produce on one device per run, each counted as often as its
     computation runs.
 
+    An asynchronous start counts its results, not the operands its result names too.
     XLA:TPU writes an asynchronous collective as fusions that each name it: one that
     starts it, ones that compute while it runs, one that finishes it; it is counted
     once, where it starts. A reduce-scatter it fuses as an all-reduce of the whole
@@ -259,11 +260,31 @@ def collective_bytes(text: str) -> int:
         for line in lines:
             found = _COLLECTIVE.search(line)
             if found and "-done(" not in line:
-                total += shape_bytes(found["shape"]) * times.get(name, 1)
+                total += shape_bytes(_started(found["shape"], line)) * times.get(name, 1)
             elif re.search(r"\bfusion\(.*\bcalls=%?all-reduce-scatter", line):
                 shape = _INSTRUCTION.match(line)
                 total += shape_bytes(shape[2] if shape else "") * times.get(name, 1)
     return total
+
+
+def _started(shape: str, line: str) -> str:
+    """What a collective produces: its result, or for an asynchronous start whose result
+    is a tuple (its operands, its results, then contexts: `collective-permute-start`,
+    `all-gather-start`) the second element, the results."""
+    if not re.search(r"-start\(", line) or not shape.startswith("("):
+        return shape
+    parts, depth, begin = [], 0, 1
+    for i, char in enumerate(shape):
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+        if (char == "," and depth == 1) or depth == 0:
+            parts.append(shape[begin:i])
+            begin = i + 1
+        if depth == 0:
+            break
+    return parts[1] if len(parts) >= 2 else shape
 
 
 def cpu_float32_copies(text: str) -> int:
