@@ -139,7 +139,9 @@ def bench_peer(session: nox.Session) -> None:
 
 
 # MaxText 0.2.5 needs Python >= 3.12 and jax >= 0.11.1; 0.11.1 is the JAX both run on.
-MAXTEXT = ("maxtext==0.2.5", "jax==0.11.1", "jaxlib==0.11.1")
+# `jax[tpu]` brings the libtpu that JAX release pins (the TPU compiler, for `--tpu`): both
+# sides compile with the same JAX and the same libtpu.
+MAXTEXT = ("maxtext==0.2.5", "jax[tpu]==0.11.1", "jaxlib==0.11.1")
 
 
 @nox.session(python="3.12")
@@ -148,10 +150,13 @@ def bench_maxtext(session: nox.Session) -> None:
 
     MaxText goes in without its declared dependencies (they include the CUDA wheels),
     then its own decoupled CPU requirements (the file its wheel ships under
-    `dependencies/`: no Google Cloud clients), in this session's environment only;
-    none of it is ever a dependency of redcoast.
+    `dependencies/`: no Google Cloud clients) and libtpu (for `--tpu`: both steps
+    compiled for a v5e-8 by the TPU compiler, on this CPU machine), in this session's
+    environment only; none of it is ever a dependency of redcoast.
     """
-    session.log("installing MaxText 0.2.5, then its CPU requirements (several minutes once)")
+    session.log(
+        "installing MaxText 0.2.5, then its CPU requirements and libtpu (several minutes once)"
+    )
     session.install("--no-deps", MAXTEXT[0])
     requirements = session.run_install(
         "python",

@@ -50,8 +50,44 @@ ids; traced under Equinox's `EQX_ON_ERROR=off`), and the time of `train_step`'s
 non-finite check (every updated parameter read once) run alone as its own program.
 Repeats then alternate between the order of the rows and its reverse.
 
-Run: nox -s bench_maxtext -- --reps 5    (the session installs MaxText and its
-     decoupled CPU requirements in its own venv, never as a redcoast dependency)
+`--tpu` compiles instead, for a TPU v5e-8 (`v5e:2x4`, 16 GiB of HBM a chip) on this
+CPU machine with the TPU compiler (libtpu; the same JAX and libtpu for both), and
+runs nothing. The model: a LLaMA of 953M parameters (hidden 2048, 16 layers, 16
+heads of 128, MLP 5632, vocabulary 32000, untied head), 2048 tokens, global batch 32
+(4 sequences a chip), bfloat16 compute over float32 weights, AdamW (as above), full
+remat, scanned layers; FSDP 8 and TP 2 x FSDP 4.
+
+- `MaxText`: its `train_compile` path, as `python -m
+  maxtext.trainers.pre_train.train_compile base.yml compile_topology=v5e-8
+  compile_topology_num_slices=1 ...` runs it: `pyconfig.initialize` (the overrides
+  above with `dtype=bfloat16 weight_dtype=float32`, the default `hardware=tpu`), the
+  mesh of the topology's devices (`train_compile.get_topology_mesh`), the abstract
+  train state and batch (`get_shaped_inputs`), its shardings and
+  `maxtext_utils.get_functional_train_with_signature`, compiled by
+  `train_compile.jit_and_compile`; once with MaxText's default attention
+  (`autoselected`: the Pallas splash kernel on TPU) and once with
+  `attention=dot_product`.
+- `redcoast`: the step `rc.memory_plan(config, target="v5e-8", precision="bf16",
+  remat="full", fsdp=True, ...)` compiles (`redcoast.plan._step.trace_step`: the
+  train step `fit` runs, on abstract arrays placed by the sharding plan, for the
+  topology's devices); attention `implementation="auto"`, the Pallas splash kernel
+  on TPU. TP 2 x FSDP 4 takes 8 sequences per data shard (4 a chip, as MaxText's
+  `per_device_batch_size=4` there).
+
+Each program is compiled in a process of its own (MaxText sets JAX options for its
+compile). Memory per chip: `memory_analysis()`. The estimated step time is
+redcoast's planner's roofline on both programs (`redcoast.plan._targets.estimate`:
+FLOPs of the traced program's matrix products, each scanned layer as often as it
+runs; the compiler's bytes accessed multiplied out over its loops; collective bytes
+over the chip's interconnect; v5e's published peak), with tokens/s and MFU (6 x
+parameters x tokens over the slice's peak and that time). The compiler's own
+`cost_analysis()` figures are printed beside it as they are (it counts a loop's body
+once).
+
+Run: nox -s bench_maxtext -- --reps 5    (the session installs MaxText, its
+     decoupled CPU requirements and libtpu in its own venv, never as a redcoast
+     dependency)
+     nox -s bench_maxtext -- --tpu
 """
 
 from __future__ import annotations
@@ -59,11 +95,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -388,6 +427,318 @@ def paired(contestants: list[Contestant], steps: int, reps: int) -> dict[str, An
     }
 
 
+# ------------------------------------------------------------------ TPU: compiled for a v5e-8
+
+TPU_TARGET = "v5e-8"
+TPU_SIZES = {"D": 2048, "L": 16, "H": 16, "F": 5632, "V": 32000, "S": 2048, "PER_CHIP": 4}
+TPU_CHIPS = 8
+# row -> MaxText's `attention` (None: redcoast's step)
+TPU_ROWS = {
+    "MaxText": "autoselected",
+    "MaxText, attention=dot_product": "dot_product",
+    REDCOAST: None,
+}
+
+
+def tpu_environment() -> None:
+    """What libtpu needs to compile for a topology on a machine without one, and the
+    flag MaxText's `train_compile` sets for its compiles (for both programs)."""
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    flag = "--xla_tpu_spmd_rng_bit_generator_unsafe=true"
+    os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()
+
+
+def tpu_maxtext_config(fsdp: int, tensor: int, attention: str, workdir: Path) -> Any:
+    """MaxText's config for the 953M LLaMA compiled for a v5e-8 (`train_compile`'s)."""
+    from maxtext.configs import pyconfig
+
+    spec = importlib.util.find_spec("maxtext")
+    assert spec is not None and spec.origin is not None
+    base = Path(spec.origin).parent / "configs" / "base.yml"
+    z = TPU_SIZES
+    overrides = {
+        "run_name": f"bench_tpu_{fsdp}x{tensor}",
+        "base_output_directory": str(workdir),
+        "compile_topology": TPU_TARGET,
+        "compile_topology_num_slices": 1,
+        "skip_jax_distributed_system": True,
+        "dataset_type": "synthetic",
+        "enable_checkpointing": False,
+        "enable_tensorboard": False,
+        "enable_goodput_recording": False,
+        "monitor_goodput": False,
+        "decoder_block": "llama2",
+        "base_emb_dim": z["D"],
+        "base_num_decoder_layers": z["L"],
+        "base_num_query_heads": z["H"],
+        "base_num_kv_heads": z["H"],
+        "head_dim": z["D"] // z["H"],
+        "base_mlp_dim": z["F"],
+        "vocab_size": z["V"],
+        "max_target_length": z["S"],
+        "per_device_batch_size": z["PER_CHIP"],
+        "dtype": "bfloat16",
+        "weight_dtype": "float32",
+        "attention": attention,
+        "packing": False,
+        "remat_policy": "full",
+        "scan_layers": True,
+        "opt_type": "adamw",
+        "learning_rate": LR,
+        "warmup_steps_fraction": 0.0,
+        "learning_rate_final_fraction": 1.0,
+        "adam_b1": B1,
+        "adam_b2": B2,
+        "adam_eps": EPS,
+        "adam_weight_decay": WD,
+        "gradient_clipping_threshold": 0.0,
+        "normalization_layer_epsilon": 1e-5,
+        "ici_fsdp_parallelism": fsdp,
+        "ici_tensor_parallelism": tensor,
+        "steps": 1000,
+        "jax_cache_dir": "",
+    }
+    argv = ["bench", str(base), *(f"{k}={v}" for k, v in overrides.items())]
+    return pyconfig.initialize(argv)
+
+
+def tpu_maxtext(fsdp: int, tensor: int, attention: str, workdir: Path) -> tuple[Any, Any, int]:
+    """MaxText's train step compiled as its `train_compile.main` compiles it.
+
+    Returns the compiled program, the traced one's jaxpr (for the FLOPs) and the
+    model's parameter count.
+    """
+    from flax.core.spmd import logical_axis_rules as axis_rules
+    from maxtext.trainers.pre_train import train, train_compile
+    from maxtext.utils import maxtext_utils, sharding
+
+    jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # as train_compile.main
+    config = tpu_maxtext_config(fsdp, tensor, attention, workdir)
+    train_compile.validate_config(config)
+    mesh = train_compile.get_topology_mesh(config)
+    shaped_args, shaped_kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(
+        mesh, config
+    )
+    params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(
+        config, state_shardings
+    )
+    input_shardings = sharding.build_zero1_input_state_mesh_shardings(
+        config, state_shardings, params_shardings
+    )
+    data_sharding = sharding.get_input_data_sharding(config, mesh)
+    func, in_shard, out_shard, static, donate = maxtext_utils.get_functional_train_with_signature(
+        train.train_step, data_sharding, input_shardings, model, config, params_shardings
+    )
+    compiled = train_compile.jit_and_compile(
+        func,
+        shaped_args,
+        shaped_kwargs,
+        mesh,
+        in_shard,
+        out_shard,
+        static,
+        donate,
+        config,
+        axis_rules(config.logical_axis_rules),
+    )
+    # The same function traced again, as `jit_and_compile` traces it, for its jaxpr.
+    with jax.set_mesh(mesh), axis_rules(config.logical_axis_rules):
+        jitted = jax.jit(
+            func,
+            in_shardings=in_shard,
+            out_shardings=out_shard,
+            static_argnums=static,
+            donate_argnums=donate,
+        )
+        jaxpr = jitted.trace(*shaped_args, **shaped_kwargs).jaxpr
+    return compiled, jaxpr, tpu_maxtext_params(shaped_args[0])
+
+
+def tpu_maxtext_params(state: Any) -> int:
+    """Parameters of MaxText's abstract train state (an `nnx.State` of `model` and
+    `optimizer`): its model's `nnx.Param`s."""
+    from flax import nnx
+
+    params = nnx.state(state["model"], nnx.Param)
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def tpu_redcoast(tensor: int) -> tuple[Any, Any, int]:
+    """redcoast's train step as `rc.memory_plan(..., target="v5e-8")` compiles it."""
+    from redcoast.models.planning import planned
+    from redcoast.plan._report import Layout
+    from redcoast.plan._step import trace_step
+    from redcoast.plan._targets import target_devices, target_named
+
+    z = TPU_SIZES
+    config = rc.models.LlamaConfig(
+        vocab_size=z["V"],
+        hidden_size=z["D"],
+        intermediate_size=z["F"],
+        num_hidden_layers=z["L"],
+        num_attention_heads=z["H"],
+        num_key_value_heads=z["H"],
+        max_position_embeddings=z["S"],
+        rms_norm_eps=1e-5,
+    )
+    # The global batch is MaxText's: 4 sequences a chip, 4 x tensor per data shard.
+    layout = Layout(
+        TPU_CHIPS,
+        n_model_shards=tensor,
+        fsdp=True,
+        precision="bf16",
+        remat="full",
+        per_device_batch_size=z["PER_CHIP"] * tensor,
+        seq_len=z["S"],
+    )
+    devices = target_devices(target_named(TPU_TARGET), TPU_CHIPS)
+    traced, common, _ = trace_step(planned(config), layout, None, devices)
+    compiled = traced.lower().compile()
+    return compiled, traced.jaxpr, int(common["n_params"])
+
+
+# What the TPU compiler's `cost_analysis()` says of a whole program (its other entries
+# are per operand and per unit): each loop's body counted once.
+COMPILER_COST = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")
+
+
+def tpu_figures(compiled: Any, jaxpr: Any, n_params: int) -> dict[str, Any]:
+    """Per-chip memory, the compiler's cost figures and the planner's step estimate."""
+    from redcoast.plan._hlo import collective_bytes, loop_factor
+    from redcoast.plan._targets import estimate, target_named
+    from redcoast.train.throughput import matmul_flops
+
+    text = compiled.as_text() or ""
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = dict((cost[0] if isinstance(cost, list | tuple) else cost) or {})
+    args, temp = int(memory.argument_size_in_bytes), int(memory.temp_size_in_bytes)
+    out, alias = int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes)
+    factor = loop_factor(text)
+    flops = matmul_flops(jaxpr)[0]
+    moved = float(cost.get("bytes accessed", 0.0)) * factor
+    collectives_ = collective_bytes(text)
+    tokens = TPU_SIZES["PER_CHIP"] * TPU_CHIPS * TPU_SIZES["S"]
+    step = estimate(
+        target_named(TPU_TARGET),
+        devices=TPU_CHIPS,
+        flops=flops,
+        bytes_per_device=moved,
+        collective_bytes=collectives_,
+        tokens=tokens,
+        n_params=n_params,
+    )
+    assert step is not None
+    return {
+        "args_bytes": args,
+        "temp_bytes": temp,
+        "output_bytes": out,
+        "alias_bytes": alias,
+        "peak_bytes": args + temp + max(out - alias, 0),
+        "n_params": n_params,
+        "tokens": tokens,
+        "flops_per_chip": flops / TPU_CHIPS,
+        "bytes_per_chip": moved,
+        "collective_bytes_per_chip": collectives_,
+        "loop_factor": factor,
+        "estimate": dataclasses.asdict(step),
+        "compiler_cost": {k: float(cost[k]) for k in COMPILER_COST if k in cost},
+        "instructions": len(_OP.findall(text)),
+    }
+
+
+def tpu_row(layout: str, row: str, workdir: Path, hlo_dir: str) -> dict[str, Any]:
+    """Compile one row for the v5e-8 (in this process) and measure it."""
+    tpu_environment()
+    fsdp, tensor = LAYOUTS[layout]
+    attention = TPU_ROWS[row]
+    start = time.perf_counter()
+    if attention is None:
+        compiled, jaxpr, n_params = tpu_redcoast(tensor)
+    else:
+        compiled, jaxpr, n_params = tpu_maxtext(fsdp, tensor, attention, workdir)
+    seconds = time.perf_counter() - start
+    figures = tpu_figures(compiled, jaxpr, n_params)
+    figures["compile_s"] = seconds
+    if hlo_dir:
+        name = re.sub(r"\W+", "_", f"tpu_{layout}_{row}").strip("_")
+        path = Path(hlo_dir, f"{name}.hlo.txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(compiled.as_text())
+    return figures
+
+
+GB = 1e9
+TPU_HEADER = (
+    "| layout | row | args GB | temp GB | output GB | peak GB | peak / MaxText's | "
+    "estimated step ms | step / MaxText's | tokens/s | MFU | compute / memory / "
+    "collectives ms | TFLOP per chip | GB moved per chip | compiler: TFLOP, GB accessed "
+    "(loop bodies once), optimal s | compile s |"
+)
+
+
+def tpu_table_row(layout: str, row: str, e: dict[str, Any], ref: dict[str, Any]) -> str:
+    step, c = e["estimate"], e["compiler_cost"]
+    return (
+        f"| {layout} | {row} | {e['args_bytes'] / GB:.2f} | {e['temp_bytes'] / GB:.2f} "
+        f"| {e['output_bytes'] / GB:.2f} | {e['peak_bytes'] / GB:.2f} "
+        f"| {e['peak_bytes'] / ref['peak_bytes']:.2f} | {step['seconds'] * 1e3:,.0f} "
+        f"| {step['seconds'] / ref['estimate']['seconds']:.3f} "
+        f"| {step['tokens_per_second']:,.0f} | {step['mfu']:.0%} "
+        f"| {step['compute'] * 1e3:.0f} / {step['memory'] * 1e3:.0f} / "
+        f"{step['communication'] * 1e3:.0f} | {e['flops_per_chip'] / 1e12:.2f} "
+        f"| {e['bytes_per_chip'] / GB:.1f} | {c.get('flops', 0.0) / 1e12:.2f}, "
+        f"{c.get('bytes accessed', 0.0) / GB:.1f}, {c.get('optimal_seconds', float('nan')):.3g} "
+        f"| {e['compile_s']:.0f} |"
+    )
+
+
+def tpu_main(args: argparse.Namespace) -> None:
+    """Every row of every layout, each compiled in a process of its own."""
+    import maxtext
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise SystemExit("--tpu compiles with libtpu: pip install 'jax[tpu]' (nox installs it)")
+
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "target": TPU_TARGET,
+        "model": TPU_SIZES,
+        "jax": jax.__version__,
+        "libtpu": importlib.metadata.version("libtpu"),
+        "maxtext": getattr(maxtext, "__version__", "0.2.5"),
+        "load_before": os.getloadavg(),
+        "layouts": {},
+    }
+    print(TPU_HEADER)
+    print("|---" * (TPU_HEADER.count("|") - 1) + "|", flush=True)
+    rows = list(TPU_ROWS) if not args.rows else args.rows.split(",")
+    for layout in args.layouts.split(","):
+        entries: dict[str, Any] = {}
+        for row in rows:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp, "row.json")
+                command = [sys.executable, __file__, "--tpu-row", f"{layout}:{row}"]
+                command += ["--out", str(out), "--workdir", args.workdir]
+                command += ["--hlo-dir", args.hlo_dir] if args.hlo_dir else []
+                subprocess.run(command, check=True)
+                entries[row] = json.loads(out.read_text())
+            ref = entries.get("MaxText", entries[row])
+            print(tpu_table_row(LAYOUT_NAMES[layout], row, entries[row], ref), flush=True)
+        results["layouts"][layout] = entries
+    results["load_after"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"jax {results['jax']}, libtpu {results['libtpu']}, MaxText {results['maxtext']}")
+    print(f"load average before {results['load_before']}, after {results['load_after']}")
+    print(f"wrote {out}")
+
+
+LAYOUT_NAMES = {"fsdp8": "FSDP 8", "tp2xfsdp4": "TP 2 × FSDP 4"}
+
+
 # ------------------------------------------------------------------ main
 
 MIB = 2**20
@@ -428,7 +779,25 @@ def main() -> None:
         help="add redcoast without its token-id check, and time its non-finite check alone",
     )
     parser.add_argument("--hlo-dir", default="", help="write each program's HLO text here")
+    parser.add_argument(
+        "--tpu",
+        action="store_true",
+        help="compile both steps of a 953M LLaMA for a TPU v5e-8 (libtpu) and compare "
+        "their memory and estimated step time; writes bench-results/bench_maxtext_tpu.json",
+    )
+    parser.add_argument("--rows", default="", help="with --tpu: " + ", ".join(TPU_ROWS))
+    parser.add_argument("--tpu-row", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tpu_row:
+        layout, row = args.tpu_row.split(":", 1)
+        figures = tpu_row(layout, row, Path(args.workdir), args.hlo_dir)
+        Path(args.out).write_text(json.dumps(figures, indent=2))
+        return
+    if args.tpu:
+        if args.out == parser.get_default("out"):
+            args.out = "bench-results/bench_maxtext_tpu.json"
+        tpu_main(args)
+        return
 
     import maxtext
 

@@ -207,3 +207,141 @@ def test_on_the_tpu_compiler_a_scanned_stack_is_estimated_as_the_unrolled_one() 
     assert steps[0] is not None and steps[1] is not None
     assert steps[0].flops_per_device == pytest.approx(steps[1].flops_per_device, rel=0.02)
     assert steps[0].bytes_per_device == pytest.approx(steps[1].bytes_per_device, rel=0.3)
+
+
+# A program as XLA:TPU prints it, cut to what the counts read: a loop of 8 whose counter
+# is unsigned (as in its windowed matmuls) and whose body updates one row of a table in
+# place; an all-gather written as its start, a computation overlapping it and its end;
+# a collective-permute started and finished; a reduce-scatter fused as an all-reduce and
+# a slice.
+_TPU_TEXT = """HloModule tpu
+
+%body (p: (u32[], bf16[1000,64], bf16[64])) -> (u32[], bf16[1000,64], bf16[64]) {
+  %p = (u32[], bf16[1000,64], bf16[64]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %t = bf16[1000,64] get-tuple-element(%p), index=1
+  %u = bf16[64] get-tuple-element(%p), index=2
+  %row = bf16[1,64] reshape(%u)
+  %zero = u32[] constant(0)
+  %put = bf16[1000,64] dynamic-update-slice(%t, %row, %i, %zero)
+  %one = u32[] constant(1)
+  %next = u32[] add(%i, %one)
+  ROOT %out = (u32[], bf16[1000,64], bf16[64]) tuple(%next, %put, %u)
+}
+
+%cond (q: (u32[], bf16[1000,64], bf16[64])) -> pred[] {
+  %q = (u32[], bf16[1000,64], bf16[64]) parameter(0)
+  %j = u32[] get-tuple-element(%q), index=0
+  %eight = u32[] constant(8)
+  ROOT %lt = pred[] compare(%j, %eight), direction=LT
+}
+
+%start (x: bf16[8,64]) -> (bf16[8,64], bf16[64,64]) {
+  %x = bf16[8,64] parameter(0)
+  %ag = bf16[64,64] all-gather(%x), channel_id=3, dimensions={0}
+  ROOT %started = (bf16[8,64], bf16[64,64]) tuple(%x, %ag)
+}
+
+%async_collective_fusion.1 (y: bf16[8,64], z: bf16[64,64]) -> (bf16[64,64], bf16[8,64]) {
+  %y = bf16[8,64] parameter(0)
+  %z = bf16[64,64] parameter(1)
+  %ag.1 = bf16[64,64] all-gather(%y), channel_id=3, dimensions={0}
+  %twice = bf16[64,64] add(%z, %z)
+  ROOT %both = (bf16[64,64], bf16[8,64]) tuple(%twice, %y)
+}
+
+%finish (w: bf16[8,64]) -> bf16[64,64] {
+  %w = bf16[8,64] parameter(0)
+  ROOT %ag.2 = bf16[64,64] all-gather(%w), channel_id=3, dimensions={0}
+}
+
+%sum (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %ab = bf16[] add(%a, %b)
+}
+
+%all-reduce-scatter.1 (g: bf16[64,64], k: u32[]) -> bf16[8,64] {
+  %g = bf16[64,64] parameter(0)
+  %k = u32[] parameter(1)
+  %ar = bf16[64,64] all-reduce(%g), channel_id=4, to_apply=%sum
+  %c0 = u32[] constant(0)
+  ROOT %shard = bf16[8,64] dynamic-slice(%ar, %k, %c0), dynamic_slice_sizes={8,64}
+}
+
+ENTRY %main (table: bf16[1000,64], v: bf16[64], s: bf16[8,64], k: u32[]) -> bf16[8,64] {
+  %table = bf16[1000,64] parameter(0)
+  %v = bf16[64] parameter(1)
+  %s = bf16[8,64] parameter(2)
+  %k = u32[] parameter(3)
+  %c = u32[] constant(0)
+  %init = (u32[], bf16[1000,64], bf16[64]) tuple(%c, %table, %v)
+  %loop = (u32[], bf16[1000,64], bf16[64]) while(%init), condition=%cond, body=%body
+  %async-collective-start.1 = (bf16[8,64], bf16[64,64]) fusion(%s), kind=kCustom, calls=%start
+  %shard0 = bf16[8,64] get-tuple-element(%async-collective-start.1), index=0
+  %full0 = bf16[64,64] get-tuple-element(%async-collective-start.1), index=1
+  %fusion.1 = (bf16[64,64], bf16[8,64]) fusion(%shard0, %full0), calls=%async_collective_fusion.1
+  %shard1 = bf16[8,64] get-tuple-element(%fusion.1), index=1
+  %async-collective-done.1 = bf16[64,64] fusion(%shard1), kind=kCustom, calls=%finish
+  %cp = (bf16[8,64], bf16[8,64], u32[], u32[]) collective-permute-start(%s), channel_id=5
+  %cp.done = bf16[8,64] collective-permute-done(%cp)
+  ROOT %fusion.2 = bf16[8,64] fusion(%async-collective-done.1, %k), calls=%all-reduce-scatter.1
+}
+"""
+
+
+def test_tpu_loops_updates_and_collectives_are_counted_as_they_run() -> None:
+    # The loop's unsigned counter runs to 8: its body counts 8 times.
+    assert _hlo.multipliers(_TPU_TEXT, own_bodies=True)["body"] == 8
+    # Each run writes one row in place (128 bytes), not the 128,000-byte table.
+    row, table = 64 * 2, 1000 * 64 * 2
+    loop = _hlo.bytes_accessed(_TPU_TEXT) - _hlo.bytes_accessed(_TPU_TEXT, once=True)
+    assert 7 * 3 * row <= loop < 7 * 6 * row < table
+    # The all-gather once, where it starts (64 x 64 bfloat16), not in the computation
+    # overlapping it nor where it ends; the permute by what it delivers (its start's
+    # result names its operand too); the fused reduce-scatter by its 8 x 64 shard.
+    assert _hlo.collective_bytes(_TPU_TEXT) == 64 * 64 * 2 + 8 * 64 * 2 + 8 * 64 * 2
+
+
+def test_a_pallas_kernel_counts_its_body_once_per_point_of_its_grid() -> None:
+    from jax.experimental import pallas as pl
+
+    from redcoast.train.throughput import matmul_flops
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = x_ref[...] @ w_ref[...]
+
+    block = pl.BlockSpec((128, 64), lambda i, j: (i, 0))
+    matmul = pl.pallas_call(
+        kernel,
+        grid=(4, 3),
+        in_specs=[block, pl.BlockSpec((64, 32), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((128, 32), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((512, 96), jnp.float32),
+        interpret=True,
+    )
+    x, w = jnp.zeros((512, 64)), jnp.zeros((64, 96))
+    full, once = matmul_flops(jax.make_jaxpr(matmul)(x, w))
+    assert full == once == 2 * 512 * 64 * 96  # the (512, 64) x (64, 96) product, whole
+
+
+def test_the_planners_cross_entropy_is_optaxs_in_float32_without_a_gather() -> None:
+    import optax
+
+    from redcoast.plan._step import float32_cross_entropy
+
+    logits = (jax.random.normal(jax.random.key(0), (3, 7, 50)) * 4).astype(jnp.bfloat16)
+    labels = jax.random.randint(jax.random.key(1), (3, 7), 0, 50)
+
+    def reference(x: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), labels)
+
+    ours = float32_cross_entropy(logits, labels)
+    assert ours.dtype == jnp.float32
+    assert jnp.array_equal(ours, reference(logits))
+    grad = jax.grad(lambda x: float32_cross_entropy(x, labels).mean())(logits)
+    assert jnp.array_equal(grad, jax.grad(lambda x: reference(x).mean())(logits))
+    # The label's logit is a sum over the vocabulary, which compilers fuse with the
+    # conversion to float32: no gather reads a float32 copy of the logits.
+    jaxpr = jax.make_jaxpr(lambda x: float32_cross_entropy(x, labels))(logits)
+    assert "gather" not in {e.primitive.name for e in jaxpr.jaxpr.eqns}

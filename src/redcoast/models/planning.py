@@ -17,12 +17,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import PRNGKeyArray
 
 from ..parallel._sharding_plan import ShardingPlan
 from ..plan import planner
 from ..plan._report import Layout, LoRA, MemoryPlan
+from ..plan._step import float32_cross_entropy
 from .auto import ARCHITECTURES
 from .dit import DiT, DiTConfig, noise_prediction_loss
 from .hf import HFConfig, read_config
@@ -77,9 +77,7 @@ def _seq2seq_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> ja
     del key
     ids = batch["input_ids"]
     logits = jax.vmap(lambda s, d: model(s, d))(ids[:, :-1], ids[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), ids[:, 1:]
-    ).mean()
+    return float32_cross_entropy(logits, ids[:, 1:]).mean()
 
 
 def _caption_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
@@ -90,9 +88,7 @@ def _caption_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> ja
     e = model.config.encoder
     pixels = jnp.zeros((ids.shape[0], e.num_channels, e.image_size, e.image_size))
     logits = jax.vmap(model)(pixels, ids[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), ids[:, 1:]
-    ).mean()
+    return float32_cross_entropy(logits, ids[:, 1:]).mean()
 
 
 def _dit_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:

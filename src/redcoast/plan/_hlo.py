@@ -95,13 +95,14 @@ def _calls(text: str) -> tuple[dict[str, list[str]], str, dict[str, list[tuple[s
 def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
     """How many times a `while` runs: its `known_trip_count` (XLA:CPU, GPU), else the
     bound its condition compares the counter with (`i < N`, counting from 0 by 1, as
-    `lax.scan` and `fori_loop` do), else once."""
+    `lax.scan` and `fori_loop` do, and XLA:TPU's windowed matmuls with an unsigned
+    counter), else once."""
     trips = _TRIPS.search(line)
     if trips:
         return int(trips[1])
     condition = re.search(r"\bcondition=%?([\w.\-]+)", line)
     body = comps.get(condition[1], []) if condition else []
-    bound = re.compile(r"=\s*s32\[\]\S*\s+constant\((\d+)\)")
+    bound = re.compile(r"=\s*[su]32\[\]\S*\s+constant\((\d+)\)")
     constants = [int(m[1]) for m in map(bound.search, body) if m]
     compares = [ln for ln in body if " compare(" in ln and "direction=LT" in ln]
     return constants[0] if len(constants) == 1 and len(compares) == 1 else 1
@@ -159,6 +160,8 @@ def bytes_accessed(text: str, *, once: bool = False) -> int:
             sizes = [shape_bytes(types.get(_operand_name(o), "")) for o in operands.split(",")]
             fused = _FUSED.search(line) if op == "fusion" else None
             reads, written = _slices(comps.get(fused[1], []) if fused else [line])
+            if op == "dynamic-update-slice" and len(sizes) > 1:
+                written = sizes[1]  # in place: the update, whose size the line does not show
             moved += sum(reads.get(i, size) for i, size in enumerate(sizes))
             moved += shape_bytes(shape) if written is None else written
         total += moved * n
@@ -231,16 +234,57 @@ def _slices(lines: list[str]) -> tuple[dict[int, int], int | None]:
 
 def collective_bytes(text: str) -> int:
     """Bytes that collectives produce on one device per run, each counted as often as its
-    computation runs."""
+    computation runs.
+
+    An asynchronous start counts its results, not the operands its result names too.
+    XLA:TPU writes an asynchronous collective as fusions that each name it: one that
+    starts it, ones that compute while it runs, one that finishes it; it is counted
+    once, where it starts. A reduce-scatter it fuses as an all-reduce of the whole
+    array followed by a slice (a fusion calling `all-reduce-scatter...`) is counted
+    as the reduce-scatter it is, by the fusion's result.
+    """
     comps, _ = _computations(text)
     times = multipliers(text)
+    finishing: dict[str, list[bool]] = defaultdict(list)
+    for lines in comps.values():
+        for line in lines:
+            fused, found = _FUSED.search(line), _INSTRUCTION.match(line)
+            if fused and found:
+                finishing[fused[1]].append(found[1].startswith("async-collective-done"))
     total = 0
     for name, lines in comps.items():
+        if name.startswith(("async_collective_fusion", "all-reduce-scatter")) or (
+            finishing.get(name) and all(finishing[name])
+        ):
+            continue
         for line in lines:
             found = _COLLECTIVE.search(line)
             if found and "-done(" not in line:
-                total += shape_bytes(found["shape"]) * times.get(name, 1)
+                total += shape_bytes(_started(found["shape"], line)) * times.get(name, 1)
+            elif re.search(r"\bfusion\(.*\bcalls=%?all-reduce-scatter", line):
+                shape = _INSTRUCTION.match(line)
+                total += shape_bytes(shape[2] if shape else "") * times.get(name, 1)
     return total
+
+
+def _started(shape: str, line: str) -> str:
+    """What a collective produces: its result, or for an asynchronous start whose result
+    is a tuple (its operands, its results, then contexts: `collective-permute-start`,
+    `all-gather-start`) the second element, the results."""
+    if not re.search(r"-start\(", line) or not shape.startswith("("):
+        return shape
+    parts, depth, begin = [], 0, 1
+    for i, char in enumerate(shape):
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+        if (char == "," and depth == 1) or depth == 0:
+            parts.append(shape[begin:i])
+            begin = i + 1
+        if depth == 0:
+            break
+    return parts[1] if len(parts) >= 2 else shape
 
 
 def cpu_float32_copies(text: str) -> int:

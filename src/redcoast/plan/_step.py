@@ -38,7 +38,32 @@ from ..train.throughput import matmul_flops
 from ._hlo import collective_bytes, cpu_float32_copies, loop_factor
 from ._report import Layout, LoRA
 
-__all__ = ["Measured", "PlannedModel", "compile_step", "plan_specs", "with_lora"]
+__all__ = [
+    "Measured",
+    "PlannedModel",
+    "compile_step",
+    "float32_cross_entropy",
+    "plan_specs",
+    "trace_step",
+    "with_lora",
+]
+
+
+def float32_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Softmax cross-entropy of integer `labels` in float32, from logits of any float
+    dtype: the values and gradients of `optax.softmax_cross_entropy_with_integer_labels(
+    logits.astype(jnp.float32), labels)`.
+
+    The label's logit is picked by a sum over the vocabulary (every other term 0, so
+    exact) rather than a gather: a reduction, which the compilers fuse with the
+    conversion to float32 and the normalizer's, so no float32 copy of the `(...,
+    vocab)` logits is kept. Gathered from the converted logits, the TPU compiler
+    keeps that copy (4 bytes a logit, 1 GB for 4 x 2048 tokens of a 32000-token
+    vocabulary) beside the bfloat16 logits.
+    """
+    x = logits.astype(jnp.float32)
+    label = jnp.where(labels[..., None] == jnp.arange(x.shape[-1]), x, 0.0).sum(-1)
+    return jax.nn.logsumexp(x, axis=-1) - label
 
 
 def next_token_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
@@ -46,9 +71,7 @@ def next_token_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> 
     del key
     ids = batch["input_ids"]
     logits = jax.vmap(model)(ids[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), ids[:, 1:]
-    ).mean()
+    return float32_cross_entropy(logits, ids[:, 1:]).mean()
 
 
 def whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
@@ -57,9 +80,7 @@ def whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> 
     del key
     ids = batch["input_ids"]
     logits = jax.vmap(model)(ids)[:, :-1]
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), ids[:, 1:]
-    ).mean()
+    return float32_cross_entropy(logits, ids[:, 1:]).mean()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,20 +318,21 @@ def _loss_and_batch(
     return loss, batch, rows, options
 
 
-def compile_step(
+def trace_step(
     model: PlannedModel,
     layout: Layout,
     lora: LoRA | None = None,
     devices: list[Any] | None = None,
-) -> Measured:
-    """Build, lower and compile the step of `model` under `layout` and measure it.
+) -> tuple[jax.stages.Traced, dict[str, Any], list[Any]]:
+    """The step `compile_step` measures, traced on abstract shapes and not yet compiled.
 
-    Args:
-        model: what to plan.
-        layout: how the step is laid out.
-        lora: LoRA's settings, or None.
-        devices: the devices to compile for (a TPU topology's, say); default this
-            process's first `layout.devices`.
+    Args: as `compile_step`'s.
+
+    Returns:
+        `(traced, common, devices)`: the traced step (`.lower().compile()` compiles what
+        `fit` would run), what is known of it before compiling (parameters, bytes of
+        the parameters, optimizer state and gradients per device, FLOPs, tokens, and
+        under `batch` the bytes of one device's batch), and the devices it is for.
     """
     from ..train.step import train_step
 
@@ -339,7 +361,6 @@ def compile_step(
         return eqx.filter(model, eqx.is_array), s, metrics
 
     key_shape = jax.eval_shape(lambda: key)
-    start = time.perf_counter()
     # Traced once: the jaxpr counts the FLOPs, its lowering is compiled.
     traced = jax.jit(run, donate_argnums=(0, 1)).trace(params, state, batch, key_shape)
     common = {
@@ -349,7 +370,29 @@ def compile_step(
         "gradients": _local_bytes(trained),  # one gradient per trainable parameter
         "flops": matmul_flops(traced.jaxpr)[0],
         "tokens": rows * layout.seq_len * (1 if layout.preference is None else 2),
+        "batch": _local_bytes(batch),
     }
+    return traced, common, devices
+
+
+def compile_step(
+    model: PlannedModel,
+    layout: Layout,
+    lora: LoRA | None = None,
+    devices: list[Any] | None = None,
+) -> Measured:
+    """Build, lower and compile the step of `model` under `layout` and measure it.
+
+    Args:
+        model: what to plan.
+        layout: how the step is laid out.
+        lora: LoRA's settings, or None.
+        devices: the devices to compile for (a TPU topology's, say); default this
+            process's first `layout.devices`.
+    """
+    start = time.perf_counter()
+    traced, common, devices = trace_step(model, layout, lora, devices)
+    batch_bytes = common.pop("batch")
     try:
         compiled = traced.lower().compile()
     except jax.errors.JaxRuntimeError as err:
@@ -357,7 +400,7 @@ def compile_step(
         temp = _refused_temporaries(str(err))
         if temp is None:
             raise
-        arguments = common["params"] + common["opt_state"] + _local_bytes(batch)
+        arguments = common["params"] + common["opt_state"] + batch_bytes
         return Measured(
             **common,
             temporaries=temp,
@@ -373,7 +416,8 @@ def compile_step(
 
 
 def _measured(compiled: Any, common: dict[str, Any], seconds: float, *, on_cpu: bool) -> Measured:
-    """`Measured` from a compiled step: its memory, bytes, collectives and copies."""
+    """`Measured` from a compiled step (`common` as `trace_step` gives it, less its
+    `batch`): its memory, bytes, collectives and copies."""
     stats = compiled.memory_analysis()
     if stats is None:
         raise RuntimeError(f"XLA gave no memory analysis for {jax.default_backend()}.")

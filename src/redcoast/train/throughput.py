@@ -135,7 +135,9 @@ def matmul_flops(jaxpr: Any) -> tuple[float, float]:
     each `lax.scan` counted, and each scan's body counted once (as XLA does).
 
     A `cond` counts its costliest branch; a `while` its body once (its trip count is
-    not in the jaxpr); a `shard_map` its body once per device of its mesh.
+    not in the jaxpr); a `shard_map` its body once per device of its mesh; a Pallas
+    kernel (`pallas_call`) its body once per point of its grid (blocks a mask lets the
+    kernel skip at run time, such as causal attention's, counted as run).
 
     Args:
         jaxpr: a (closed) jaxpr, e.g. from `jax.make_jaxpr`.
@@ -159,6 +161,9 @@ def matmul_flops(jaxpr: Any) -> tuple[float, float]:
             times = int(eqn.params.get("length", 1))
         elif primitive == "shard_map":
             times = int(getattr(eqn.params.get("mesh"), "size", 1))
+        elif primitive == "pallas_call":
+            grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
+            times = math.prod(g for g in grid if isinstance(g, int))
         flops = _eqn_flops(eqn)
         full += flops + times * sub_full
         once += flops + (sub_once if primitive in _jaxpr.SCAN else times * sub_once)
