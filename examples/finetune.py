@@ -2,7 +2,11 @@
 
 `--model` is any zoo checkpoint folder with its tokenizer; `--data` is text files,
 a folder of them, or a `.jsonl` of prompt/completion records (the loss then
-counts the completions only). With no arguments it runs offline: a small GPT-2
+counts the completions only; `--instructions` makes such records from the standard
+library's functions). Documents are packed into rows, each attending to itself alone
+(`--packing segments`), or to the ones before it too (`joined`, `run_clm.py`'s rows),
+or one per row (`padded`); held-out perplexity is always of documents alone. With no
+arguments it runs offline: a small GPT-2
 and its BPE tokenizer pretrained on Python's documentation (built once into
 `--base-dir` in `--base-steps` steps, before fine-tuning's `--max-steps`; see
 `_pretrained.py` and `redcoast pretrained`) are fine-tuned on another domain that
@@ -14,9 +18,12 @@ and after, optimizer state and a sample (of `--prompt`, else the held-out data's
 start), and writes the model and tokenizer with `to_hf`.
 """
 
+import ast
+import json
 import math
 import shutil
 import sysconfig
+import textwrap
 from pathlib import Path
 
 import equinox as eqx
@@ -41,6 +48,30 @@ def perplexity(model, rows, mesh, batch_size: int) -> float:
     return math.exp(sum(float(o["nll"]) for o in out) / sum(float(o["n"]) for o in out))
 
 
+def function_records(files: list[Path], max_chars: int = 600) -> list[dict[str, str]]:
+    """Instruction records from Python source: a documented function's signature and
+    docstring are the prompt, its body the completion (functions up to `max_chars`)."""
+    records = []
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue  # a few test files hold invalid source on purpose
+        lines = source.split("\n")  # as `ast` numbers them (not at form feeds)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if ast.get_docstring(node) is None or len(node.body) < 2 or node.decorator_list:
+                continue
+            text = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno])) + "\n"
+            split = node.body[0].end_lineno - node.lineno + 1  # the docstring's last line
+            head, body = text.split("\n")[:split], text.split("\n")[split:]
+            if len(text) <= max_chars:
+                records.append({"prompt": "\n".join(head) + "\n", "completion": "\n".join(body)})
+    return records
+
+
 def main(
     model: str | None = None,
     data: str | None = None,
@@ -54,6 +85,8 @@ def main(
     lora_rank: int = 0,
     lora_table_rank: int = 0,
     quantize: str | None = None,
+    instructions: bool = False,
+    packing: str = "segments",
     eval_rows: int = 128,
     prompt: str = "",
     base_dir: str = "runs/finetune/base",
@@ -80,7 +113,14 @@ def main(
         quantize: with --lora-rank, `nf4` (QLoRA) or `int8`: the frozen projections
             quantized as they are read (`from_hf(..., quantize=)`); perplexity before
             is the quantized base's.
-        eval_rows: held-out rows (the end of the data) for the perplexity.
+        instructions: with no --data, fine-tune on instruction records made from the
+            standard library (each documented function's signature and docstring the
+            prompt, its body the completion), written to a .jsonl beside --output.
+        packing: `segments` (documents packed into rows, each attending to itself
+            alone), `joined` (packed, each seeing the documents before it in its row)
+            or `padded` (one document per row; each must fit in --seq-len).
+        eval_rows: held-out rows (the end of the data, packed as `segments`: each
+            document alone) for the perplexity.
         prompt: the sample's prompt; default: the start of the held-out data (a
             function header for the standard library's source).
         base_dir: where the default base checkpoint is built and cached.
@@ -93,23 +133,38 @@ def main(
         if model
         else base_checkpoint(base_dir, n_model_shards=n_model_shards, steps=base_steps)
     )
-    cache = Path(output).parent / "tokens"
-    source = Path(data) if data else Path(sysconfig.get_paths()["stdlib"])
+    if quantize and not lora_rank:
+        raise ValueError("--quantize stores a frozen base: train adapters on it (--lora-rank R).")
+    if packing not in ("segments", "joined", "padded"):
+        raise ValueError(f"--packing is segments, joined or padded, not {packing!r}.")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(stdlib.glob("**/*.py")) if "site-packages" not in p.parts]
+    cache = Path(output).parent / ("functions" if instructions and not data else "tokens")
+    source = Path(data) if data else stdlib
+    if instructions and not data:
+        source = cache.with_suffix(".jsonl")
+        if not source.is_file():  # written whole, then renamed into place
+            source.parent.mkdir(parents=True, exist_ok=True)
+            part = source.with_suffix(".part")
+            part.write_text("".join(json.dumps(r) + "\n" for r in function_records(files)))
+            part.replace(source)
     if source.suffix == ".jsonl":
         tokens = rc.text.tokenize_instructions(source, folder, cache)
     elif data:
         tokens = rc.text.tokenize(source, folder, cache)
     else:  # the standard library's modules (a few test files hold invalid UTF-8 on purpose)
-        files = [p for p in sorted(source.glob("**/*.py")) if "site-packages" not in p.parts]
         tokens = rc.text.tokenize(files, folder, cache, errors="replace")
-    if quantize and not lora_rank:
-        raise ValueError("--quantize stores a frozen base: train adapters on it (--lora-rank R).")
     mesh = rc.make_mesh(n_model_shards)
     net = rc.models.from_hf(folder, mesh=mesh, fsdp=fsdp, quantize=quantize)
-    rows = (rc.text.padded if source.suffix == ".jsonl" else rc.text.packed)(
-        tokens, seq_len, model=net
-    )
-    train, held_out = rows[: len(rows) - eval_rows], rows[len(rows) - eval_rows :]
+    alone = rc.text.packed(tokens, seq_len, model=net)  # each document attends to itself
+    n_train = len(alone) - eval_rows  # rows before the held-out ones
+    held_out = alone[n_train:]
+    if packing == "padded":  # the documents that end before the held-out rows
+        rows = rc.text.padded(tokens, seq_len, model=net)
+        train = rows[: int(np.searchsorted(tokens.starts, n_train * seq_len, "right")) - 1]
+    else:
+        rows = rc.text.packed(tokens, seq_len, separate_documents=packing == "segments")
+        train = rows[:n_train]
     before = perplexity(net, held_out, mesh, per_device_batch_size)
     # Every weight as full fine-tuning trains it (a quantized one decoded: shapes only).
     plain = eqx.filter_eval_shape(rc.quant.dequantize, net)
@@ -144,12 +199,13 @@ def main(
     after = perplexity(result.model, held_out, mesh, per_device_batch_size)
     print(f"held-out perplexity: {before:.2f} before, {after:.2f} after ({after / before:.2f}x)")
     tok = rc.text.load_tokenizer(folder)
-    if not prompt:  # the held-out data's start: a record's prompt, or a row's first tokens
-        row = held_out[0]
-        n = max(1, int(np.argmax(row["loss_mask"]))) if source.suffix == ".jsonl" else 16
-        prompt = (
-            tok.fast.decode(row["input_ids"][:n].tolist()) if data else "def read_file(path):\n"
-        )
+    if not prompt and source.suffix == ".jsonl":  # the first held-out record's prompt
+        d = min(int(np.searchsorted(tokens.starts, n_train * seq_len)), tokens.n_documents - 1)
+        ids, mask = tokens.read(int(tokens.starts[d]), int(tokens.starts[d + 1]))
+        prompt = tok.fast.decode(ids[: max(1, int(np.argmax(mask)))].tolist())
+    elif not prompt:  # the held-out rows' start, or a function header for the stdlib
+        prompt = tok.fast.decode(held_out[0]["input_ids"][:16].tolist()) if data else ""
+        prompt = prompt or "def read_file(path):\n"
     ids = np.asarray([tok.fast.encode(prompt).ids], np.int32)
     sampling = {"max_new_tokens": 48, "temperature": 0.7, "eos_id": tok.eos_id}
     new = rc.models.generate(result.model, ids, key=jax.random.key(0), **sampling)

@@ -7,7 +7,10 @@ examples/RESULTS.md; the exit status is 1 if any example misses its bar. A row o
 VARIANTS runs an example with other options (finetune_lora: LoRA adapters only,
 measured against the example's own row, which runs with it; finetune_qlora: rank-8
 adapters on an NF4 base, measured against finetune_lora8, the same adapters on the
-float32 base; preference_simpo: SimPO in place of DPO).
+float32 base; finetune_functions: instruction records made from the standard library's
+functions, packed with segment ids; finetune_joined: the same records packed with each
+attending to the ones before it, measured against finetune_functions; preference_simpo:
+SimPO in place of DPO).
 
 Run: python scripts/run_examples.py [EXAMPLE ...]   (or `nox -s examples`)
 """
@@ -38,6 +41,8 @@ BARS = {
     "finetune_lora": ("gain_vs_full", "min", 0.9, None),
     "finetune_lora8": ("ratio", "max", 0.7, None),
     "finetune_qlora": ("gain_vs_lora", "min", 0.95, None),
+    "finetune_functions": ("ratio", "max", 0.7, None),
+    "finetune_joined": ("gain_vs_segments", "max", 1.0, None),
     "language_modeling": ("below_unigram", "min", 0.30, 300.0),
     "maml": ("mse_after_1_step", "max", 0.30, None),
     "ppo": ("mean_return", "min", 450.0, None),
@@ -59,6 +64,11 @@ VARIANTS = {
         "finetune",
         ["--lora-rank", "8", "--quantize", "nf4", "--learning-rate", "1e-2"],
     ),
+    "finetune_functions": ("finetune", ["--instructions", "--seq-len", "256"]),
+    "finetune_joined": (
+        "finetune",
+        ["--instructions", "--seq-len", "256", "--packing", "joined"],
+    ),
     "preference_simpo": ("preference", ["--loss", "simpo"]),
 }
 # Bars of a variant measured against its example's row (both run together), and other
@@ -66,9 +76,15 @@ VARIANTS = {
 # 0.9 x full fine-tuning's on the same data, and its AdamW state at most 2% of it;
 # finetune_qlora's gain, counted from the float32 base's perplexity (its own row starts
 # from the NF4 base's), is at least 0.95 x finetune_lora8's (QLoRA's claim: 4-bit base,
-# same adapters, the 16-bit result). The preference rows' chosen answers lose at most
-# 0.25 nats a token of held-out likelihood.
-AGAINST = {"finetune_lora": "finetune", "finetune_qlora": "finetune_lora8"}
+# same adapters, the 16-bit result). finetune_joined's gain, on the same held-out records
+# each alone, is at most finetune_functions': rows whose documents see one another train
+# no better for documents alone than rows that keep them apart. The preference rows'
+# chosen answers lose at most 0.25 nats a token of held-out likelihood.
+AGAINST = {
+    "finetune_lora": "finetune",
+    "finetune_qlora": "finetune_lora8",
+    "finetune_joined": "finetune_functions",
+}
 ALSO = {
     "finetune_lora": [("opt_state", "max", 0.02)],
     "preference": [("chosen_logp_change", "min", -0.25)],
