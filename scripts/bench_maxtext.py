@@ -432,11 +432,13 @@ def paired(contestants: list[Contestant], steps: int, reps: int) -> dict[str, An
 TPU_TARGET = "v5e-8"
 TPU_SIZES = {"D": 2048, "L": 16, "H": 16, "F": 5632, "V": 32000, "S": 2048, "PER_CHIP": 4}
 TPU_CHIPS = 8
-# row -> MaxText's `attention` (None: redcoast's step)
+# row -> MaxText's `attention`, or redcoast's step with its attention's implementation
+BLOCKWISE = "redcoast (blockwise attention)"
 TPU_ROWS = {
     "MaxText": "autoselected",
     "MaxText, attention=dot_product": "dot_product",
     REDCOAST: None,
+    BLOCKWISE: None,
 }
 
 
@@ -564,8 +566,11 @@ def tpu_maxtext_params(state: Any) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
-def tpu_redcoast(tensor: int) -> tuple[Any, Any, int]:
-    """redcoast's train step as `rc.memory_plan(..., target="v5e-8")` compiles it."""
+def tpu_redcoast(tensor: int, attention: str = "auto") -> tuple[Any, Any, int]:
+    """redcoast's train step as `rc.memory_plan(..., target="v5e-8")` compiles it, its
+    attention `"auto"` (the Pallas splash kernel there) or another implementation."""
+    import dataclasses
+
     from redcoast.models.planning import planned
     from redcoast.plan._report import Layout
     from redcoast.plan._step import trace_step
@@ -593,7 +598,16 @@ def tpu_redcoast(tensor: int) -> tuple[Any, Any, int]:
         seq_len=z["S"],
     )
     devices = target_devices(target_named(TPU_TARGET), TPU_CHIPS)
-    traced, common, _ = trace_step(planned(config), layout, None, devices)
+    model = planned(config)
+    if attention != "auto":
+
+        def build(remat: str) -> Any:
+            options: dict[str, Any] = {"scan_layers": True, "attention": attention}
+            options |= {"remat": remat} if remat != "none" else {}
+            return lambda key: rc.models.Llama(config, key=key, **options)
+
+        model = dataclasses.replace(model, build=build)
+    traced, common, _ = trace_step(model, layout, None, devices)
     compiled = traced.lower().compile()
     return compiled, traced.jaxpr, int(common["n_params"])
 
@@ -655,7 +669,8 @@ def tpu_row(layout: str, row: str, workdir: Path, hlo_dir: str) -> dict[str, Any
     attention = TPU_ROWS[row]
     start = time.perf_counter()
     if attention is None:
-        compiled, jaxpr, n_params = tpu_redcoast(tensor)
+        implementation = "blockwise" if row == BLOCKWISE else "auto"
+        compiled, jaxpr, n_params = tpu_redcoast(tensor, implementation)
     else:
         compiled, jaxpr, n_params = tpu_maxtext(fsdp, tensor, attention, workdir)
     seconds = time.perf_counter() - start
