@@ -157,16 +157,12 @@ def timed_compiles(lower: Callable[[], Any], n: int) -> tuple[Any, float]:
 # ------------------------------------------------------------------ MaxText
 
 
-def maxtext_config(fsdp: int, tensor: int, workdir: Path) -> Any:
-    from maxtext.configs import pyconfig
-
-    spec = importlib.util.find_spec("maxtext")
-    assert spec is not None and spec.origin is not None
-    base = Path(spec.origin).parent / "configs" / "base.yml"
-    overrides = {
-        "run_name": f"bench_{fsdp}x{tensor}",
+def maxtext_common(fsdp: int, tensor: int, workdir: Path) -> dict[str, Any]:
+    """The MaxText settings of both modes: synthetic data, no checkpoints or goodput
+    recording, LLaMA-2 blocks, float32 weights, full remat, scanned layers, AdamW at a
+    constant rate without clipping, and the mesh."""
+    return {
         "base_output_directory": str(workdir),
-        "hardware": "cpu",
         "skip_jax_distributed_system": True,
         "dataset_type": "synthetic",
         "enable_checkpointing": False,
@@ -174,18 +170,7 @@ def maxtext_config(fsdp: int, tensor: int, workdir: Path) -> Any:
         "enable_goodput_recording": False,
         "monitor_goodput": False,
         "decoder_block": "llama2",
-        "base_emb_dim": D,
-        "base_num_decoder_layers": L,
-        "base_num_query_heads": H,
-        "base_num_kv_heads": H,
-        "head_dim": D // H,
-        "base_mlp_dim": F,
-        "vocab_size": V,
-        "max_target_length": S,
-        "per_device_batch_size": BATCH // 8,
-        "dtype": "float32",
         "weight_dtype": "float32",
-        "attention": "dot_product",
         "packing": False,
         "remat_policy": "full",
         "scan_layers": True,
@@ -203,6 +188,30 @@ def maxtext_config(fsdp: int, tensor: int, workdir: Path) -> Any:
         "ici_tensor_parallelism": tensor,
         "steps": 1000,
         "jax_cache_dir": "",  # no persistent compilation cache: compile times are compiles
+    }
+
+
+def maxtext_config(fsdp: int, tensor: int, workdir: Path) -> Any:
+    from maxtext.configs import pyconfig
+
+    spec = importlib.util.find_spec("maxtext")
+    assert spec is not None and spec.origin is not None
+    base = Path(spec.origin).parent / "configs" / "base.yml"
+    overrides = {
+        "run_name": f"bench_{fsdp}x{tensor}",
+        "hardware": "cpu",
+        "base_emb_dim": D,
+        "base_num_decoder_layers": L,
+        "base_num_query_heads": H,
+        "base_num_kv_heads": H,
+        "head_dim": D // H,
+        "base_mlp_dim": F,
+        "vocab_size": V,
+        "max_target_length": S,
+        "per_device_batch_size": BATCH // 8,
+        "dtype": "float32",
+        "attention": "dot_product",
+        **maxtext_common(fsdp, tensor, workdir),
     }
     argv = ["bench", str(base), *(f"{k}={v}" for k, v in overrides.items())]
     return pyconfig.initialize(argv)
@@ -461,16 +470,8 @@ def tpu_maxtext_config(fsdp: int, tensor: int, attention: str, workdir: Path) ->
     z = TPU_SIZES
     overrides = {
         "run_name": f"bench_tpu_{fsdp}x{tensor}",
-        "base_output_directory": str(workdir),
         "compile_topology": TPU_TARGET,
         "compile_topology_num_slices": 1,
-        "skip_jax_distributed_system": True,
-        "dataset_type": "synthetic",
-        "enable_checkpointing": False,
-        "enable_tensorboard": False,
-        "enable_goodput_recording": False,
-        "monitor_goodput": False,
-        "decoder_block": "llama2",
         "base_emb_dim": z["D"],
         "base_num_decoder_layers": z["L"],
         "base_num_query_heads": z["H"],
@@ -481,25 +482,8 @@ def tpu_maxtext_config(fsdp: int, tensor: int, attention: str, workdir: Path) ->
         "max_target_length": z["S"],
         "per_device_batch_size": z["PER_CHIP"],
         "dtype": "bfloat16",
-        "weight_dtype": "float32",
         "attention": attention,
-        "packing": False,
-        "remat_policy": "full",
-        "scan_layers": True,
-        "opt_type": "adamw",
-        "learning_rate": LR,
-        "warmup_steps_fraction": 0.0,
-        "learning_rate_final_fraction": 1.0,
-        "adam_b1": B1,
-        "adam_b2": B2,
-        "adam_eps": EPS,
-        "adam_weight_decay": WD,
-        "gradient_clipping_threshold": 0.0,
-        "normalization_layer_epsilon": 1e-5,
-        "ici_fsdp_parallelism": fsdp,
-        "ici_tensor_parallelism": tensor,
-        "steps": 1000,
-        "jax_cache_dir": "",
+        **maxtext_common(fsdp, tensor, workdir),
     }
     argv = ["bench", str(base), *(f"{k}={v}" for k, v in overrides.items())]
     return pyconfig.initialize(argv)
