@@ -122,16 +122,7 @@ def whole_model_rows(seqs: list[int]) -> list[dict[str, object]]:
     from redcoast.models.planning import planned
     from redcoast.models.presets import preset
 
-    cls, config = preset("llama-1b")
-    config = dataclasses.replace(config, max_position_embeddings=max(seqs))
-
-    def model(implementation: str):
-        def build(remat: str):
-            del remat  # no remat: the activations as the step keeps them
-            return lambda key: cls(config, scan_layers=True, attention=implementation, key=key)
-
-        return dataclasses.replace(planned(config), build=build)
-
+    config = dataclasses.replace(preset("llama-1b")[1], max_position_embeddings=max(seqs))
     rows = []
     print("\nllama-1b train step, 8 devices, one sequence: activations (peak) GiB per device")
     print(f"{'tokens':>8} {'layout':>12} {'einsum':>16} {'blockwise':>16} {'ratio':>7}")
@@ -139,9 +130,8 @@ def whole_model_rows(seqs: list[int]) -> list[dict[str, object]]:
         for layout, options in WHOLE_LAYOUTS.items():
             row: dict[str, object] = {"tokens": seq, "layout": layout}
             for implementation in IMPLEMENTATIONS:
-                plan = rc.memory_plan(
-                    model(implementation), devices=8, seq_len=seq, max_batch=False, **options
-                )
+                model = planned(config, attention=implementation)
+                plan = rc.memory_plan(model, devices=8, seq_len=seq, max_batch=False, **options)
                 row[implementation] = plan.to_dict()
             einsum, blockwise = (row[i] for i in IMPLEMENTATIONS)
             assert isinstance(einsum, dict) and isinstance(blockwise, dict)

@@ -553,8 +553,6 @@ def tpu_maxtext_params(state: Any) -> int:
 def tpu_redcoast(tensor: int, attention: str = "auto") -> tuple[Any, Any, int]:
     """redcoast's train step as `rc.memory_plan(..., target="v5e-8")` compiles it, its
     attention `"auto"` (the Pallas splash kernel there) or another implementation."""
-    import dataclasses
-
     from redcoast.models.planning import planned
     from redcoast.plan._report import Layout
     from redcoast.plan._step import trace_step
@@ -582,16 +580,7 @@ def tpu_redcoast(tensor: int, attention: str = "auto") -> tuple[Any, Any, int]:
         seq_len=z["S"],
     )
     devices = target_devices(target_named(TPU_TARGET), TPU_CHIPS)
-    model = planned(config)
-    if attention != "auto":
-
-        def build(remat: str) -> Any:
-            options: dict[str, Any] = {"scan_layers": True, "attention": attention}
-            options |= {"remat": remat} if remat != "none" else {}
-            return lambda key: rc.models.Llama(config, key=key, **options)
-
-        model = dataclasses.replace(model, build=build)
-    traced, common, _ = trace_step(model, layout, None, devices)
+    traced, common, _ = trace_step(planned(config, attention=attention), layout, None, devices)
     compiled = traced.lower().compile()
     return compiled, traced.jaxpr, int(common["n_params"])
 
@@ -604,13 +593,13 @@ COMPILER_COST = ("flops", "bytes accessed", "transcendentals", "optimal_seconds"
 def tpu_figures(compiled: Any, jaxpr: Any, n_params: int) -> dict[str, Any]:
     """Per-chip memory, the compiler's cost figures and the planner's step estimate."""
     from redcoast.plan._hlo import collective_bytes, loop_factor
+    from redcoast.plan._step import _cost_analysis
     from redcoast.plan._targets import estimate, target_named
     from redcoast.train.throughput import matmul_flops
 
     text = compiled.as_text() or ""
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = dict((cost[0] if isinstance(cost, list | tuple) else cost) or {})
+    cost = _cost_analysis(compiled)
     args, temp = int(memory.argument_size_in_bytes), int(memory.temp_size_in_bytes)
     out, alias = int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes)
     factor = loop_factor(text)
@@ -693,6 +682,16 @@ def tpu_table_row(layout: str, row: str, e: dict[str, Any], ref: dict[str, Any])
     )
 
 
+def write_results(results: dict[str, Any], path: str) -> None:
+    """The load average after the runs into `results`, then `results` as JSON to `path`."""
+    results["load_after"] = os.getloadavg()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"load average before {results['load_before']}, after {results['load_after']}")
+    print(f"wrote {out}")
+
+
 def tpu_main(args: argparse.Namespace) -> None:
     """Every row of every layout, each compiled in a process of its own."""
     import maxtext
@@ -726,13 +725,8 @@ def tpu_main(args: argparse.Namespace) -> None:
             ref = entries.get("MaxText", entries[row])
             print(tpu_table_row(LAYOUT_NAMES[layout], row, entries[row], ref), flush=True)
         results["layouts"][layout] = entries
-    results["load_after"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
     print(f"jax {results['jax']}, libtpu {results['libtpu']}, MaxText {results['maxtext']}")
-    print(f"load average before {results['load_before']}, after {results['load_after']}")
-    print(f"wrote {out}")
+    write_results(results, args.out)
 
 
 LAYOUT_NAMES = {"fsdp8": "FSDP 8", "tp2xfsdp4": "TP 2 × FSDP 4"}
@@ -842,12 +836,7 @@ def main() -> None:
             results.setdefault("nonfinite_check_ms", {})[layout] = ms
             share = ms / step_ms
             print(f"| {layout} | non-finite check alone: {ms:.2f} ms = {share:.2%} of a step |")
-    results["load_after"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"load average before {results['load_before']}, after {results['load_after']}")
-    print(f"wrote {out}")
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,19 @@ WIDE = rc.models.LlamaConfig(
 )
 
 
+@pytest.mark.slow
+def test_a_zoo_model_is_planned_with_the_attention_asked_for() -> None:
+    from redcoast.models.planning import planned
+
+    long = dataclasses.replace(WIDE, max_position_embeddings=2048)
+    plans = {
+        how: rc.memory_plan(planned(long, attention=how), devices=1, seq_len=2048, max_batch=False)
+        for how in ("einsum", "blockwise")
+    }
+    # The einsum writes out 4 heads' 2048 x 2048 float32 scores; the blockwise one does not.
+    assert plans["einsum"].activations - plans["blockwise"].activations > 4 * 2048**2 * 4
+
+
 @pytest.mark.slow  # the CLI's LoRA plan below is its fast sibling
 def test_a_lora_plan_keeps_optimizer_state_for_the_adapters_only() -> None:
     full = rc.memory_plan(WIDE, devices=1, seq_len=16, max_batch=False)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..plan._step import float32_cross_entropy
+from ..nn._loss import cross_entropy
 from .moe import load_balancing_loss
 
 ArrayLike = Array | np.ndarray
@@ -78,7 +78,7 @@ def _nll(
     # Position t is scored on token t + 1, and the last position, which has no next
     # token, counts for nothing. In float32, the label's logit picked without a float32
     # copy of the logits (the planner compiles the same).
-    nll = float32_cross_entropy(logits, jnp.roll(ids, -1, axis=1))
+    nll = cross_entropy(logits, jnp.roll(ids, -1, axis=1))
     counted = jnp.ones(ids.shape, bool) if loss_mask is None else jnp.asarray(loss_mask, bool)
     has_next = jnp.arange(ids.shape[1]) < ids.shape[1] - 1
     if segment_ids is not None:  # a document's first token is not predicted from another's

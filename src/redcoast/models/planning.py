@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
+from ..nn._loss import cross_entropy
 from ..parallel._sharding_plan import ShardingPlan
 from ..plan import planner
 from ..plan._report import Layout, LoRA, MemoryPlan
-from ..plan._step import float32_cross_entropy
 from .auto import ARCHITECTURES
 from .dit import DiT, DiTConfig, noise_prediction_loss
 from .hf import HFConfig, read_config
@@ -77,7 +77,7 @@ def _seq2seq_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> ja
     del key
     ids = batch["input_ids"]
     logits = jax.vmap(lambda s, d: model(s, d))(ids[:, :-1], ids[:, :-1])
-    return float32_cross_entropy(logits, ids[:, 1:]).mean()
+    return cross_entropy(logits, ids[:, 1:]).mean()
 
 
 def _caption_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
@@ -88,7 +88,7 @@ def _caption_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> ja
     e = model.config.encoder
     pixels = jnp.zeros((ids.shape[0], e.num_channels, e.image_size, e.image_size))
     logits = jax.vmap(model)(pixels, ids[:, :-1])
-    return float32_cross_entropy(logits, ids[:, 1:]).mean()
+    return cross_entropy(logits, ids[:, 1:]).mean()
 
 
 def _dit_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
@@ -122,8 +122,15 @@ def _whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) ->
     return lm_loss(model, batch, key)[0]
 
 
-def planned(model: str | HFConfig | DiTConfig) -> planner.PlannedModel:
+def planned(
+    model: str | HFConfig | DiTConfig, *, attention: str | None = None
+) -> planner.PlannedModel:
     """A zoo preset, config.json or config described to the planner.
+
+    Args:
+        model: a preset name, a config.json path (or its folder), or a zoo config.
+        attention: the attention's `implementation` for the zoo's decoders (see
+            `rc.nn.attention`); default their own, `"auto"`.
 
     Raises:
         ValueError: an unknown preset, a file that is not a config.json, or a
@@ -137,6 +144,8 @@ def planned(model: str | HFConfig | DiTConfig) -> planner.PlannedModel:
         options: dict[str, Any] = {"scan_layers": True}
         if remat != "none":
             options["remat"] = remat
+        if attention is not None:
+            options["attention"] = attention
         return lambda key: cls(config, key=key, **options)
 
     seq2seq = issubclass(cls, AbstractSeq2SeqLM)

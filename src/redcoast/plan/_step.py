@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._tree_paths import leaves_with_paths, path_str
+from ..nn._loss import cross_entropy
 from ..parallel._context_parallel import ContextParallel
 from ..parallel._parallelism import Parallelism
 from ..parallel._placement import optimizer_specs, sharding_tree
@@ -42,28 +43,10 @@ __all__ = [
     "Measured",
     "PlannedModel",
     "compile_step",
-    "float32_cross_entropy",
     "plan_specs",
     "trace_step",
     "with_lora",
 ]
-
-
-def float32_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Softmax cross-entropy of integer `labels` in float32, from logits of any float
-    dtype: the values and gradients of `optax.softmax_cross_entropy_with_integer_labels(
-    logits.astype(jnp.float32), labels)`.
-
-    The label's logit is picked by a sum over the vocabulary (every other term 0, so
-    exact) rather than a gather: a reduction, which the compilers fuse with the
-    conversion to float32 and the normalizer's, so no float32 copy of the `(...,
-    vocab)` logits is kept. Gathered from the converted logits, the TPU compiler
-    keeps that copy (4 bytes a logit, 1 GB for 4 x 2048 tokens of a 32000-token
-    vocabulary) beside the bfloat16 logits.
-    """
-    x = logits.astype(jnp.float32)
-    label = jnp.where(labels[..., None] == jnp.arange(x.shape[-1]), x, 0.0).sum(-1)
-    return jax.nn.logsumexp(x, axis=-1) - label
 
 
 def next_token_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
@@ -71,7 +54,7 @@ def next_token_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> 
     del key
     ids = batch["input_ids"]
     logits = jax.vmap(model)(ids[:, :-1])
-    return float32_cross_entropy(logits, ids[:, 1:]).mean()
+    return cross_entropy(logits, ids[:, 1:]).mean()
 
 
 def whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
@@ -80,7 +63,7 @@ def whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> 
     del key
     ids = batch["input_ids"]
     logits = jax.vmap(model)(ids)[:, :-1]
-    return float32_cross_entropy(logits, ids[:, 1:]).mean()
+    return cross_entropy(logits, ids[:, 1:]).mean()
 
 
 @dataclasses.dataclass(frozen=True)
