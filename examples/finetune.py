@@ -128,15 +128,15 @@ def main(
             fine-tuning's --max-steps; `redcoast pretrained` builds one too).
         workdir: where metrics.jsonl goes.
     """
+    if quantize and not lora_rank:
+        raise ValueError("--quantize stores a frozen base: train adapters on it (--lora-rank R).")
+    if packing not in ("segments", "joined", "padded"):
+        raise ValueError(f"--packing is segments, joined or padded, not {packing!r}.")
     folder = (
         Path(model)
         if model
         else base_checkpoint(base_dir, n_model_shards=n_model_shards, steps=base_steps)
     )
-    if quantize and not lora_rank:
-        raise ValueError("--quantize stores a frozen base: train adapters on it (--lora-rank R).")
-    if packing not in ("segments", "joined", "padded"):
-        raise ValueError(f"--packing is segments, joined or padded, not {packing!r}.")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in sorted(stdlib.glob("**/*.py")) if "site-packages" not in p.parts]
     cache = Path(output).parent / ("functions" if instructions and not data else "tokens")

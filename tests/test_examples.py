@@ -94,6 +94,14 @@ def test_every_example_has_a_smoke_test():
     assert set(SMOKE) | {"language_modeling", "finetune", "preference"} <= set(names)
 
 
+def test_finetune_refuses_an_unknown_packing_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["run", "finetune", "--packing", "bogus"])
+    assert result.exit_code != 0
+    assert "--packing is segments, joined or padded, not 'bogus'" in result.output
+    assert not any(tmp_path.iterdir())  # no base checkpoint built first
+
+
 def test_finetune_makes_instruction_records_of_documented_functions(tmp_path):
     source = tmp_path / "m.py"
     source.write_text(

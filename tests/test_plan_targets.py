@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from click.testing import CliRunner
+from jaxtyping import TypeCheckError
 
 import redcoast as rc
 from redcoast.cli import main
@@ -343,3 +344,5 @@ def test_the_cross_entropy_is_optaxs_in_float32_without_a_gather() -> None:
     # conversion to float32: no gather reads a float32 copy of the logits.
     jaxpr = jax.make_jaxpr(lambda x: rc.nn.cross_entropy(x, labels))(logits)
     assert "gather" not in {e.primitive.name for e in jaxpr.jaxpr.eqns}
+    with pytest.raises(TypeCheckError, match="parameter 'labels'"):
+        rc.nn.cross_entropy(logits, labels[:, :6])

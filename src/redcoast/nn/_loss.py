@@ -4,9 +4,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._checks import typechecked
+
 __all__ = ["cross_entropy"]
 
 
+@typechecked
 def cross_entropy(
     logits: Float[Array, "*batch vocab"], labels: Int[Array, "*batch"]
 ) -> Float[Array, "*batch"]:
@@ -27,6 +30,10 @@ def cross_entropy(
 
     Returns:
         The negative log-likelihood of each label, float32, of `labels`' shape.
+
+    Raises:
+        jaxtyping.TypeCheckError: labels whose shape is not the logits' without the
+            vocabulary (naming the parameter and both shapes).
 
     Example:
         >>> nll = rc.nn.cross_entropy(logits, ids[:, 1:]).mean()
