@@ -3,9 +3,10 @@
 Each row is one `rc.memory_plan(..., target=...)`: the real AdamW train step compiled
 on abstract shapes, for a TPU slice by the TPU compiler (libtpu, `pip install
 'redcoast[tpu]'`; it runs on a machine without a TPU), for a GPU from the CPU
-compiler's program without the float32 copies of bfloat16 arguments only XLA:CPU
-makes. bf16 compute (fp32 weights and AdamW state for a full fine-tune; a bfloat16
-frozen base for LoRA rank 8 on every projection), full remat, scanned layers, one
+compiler's program (blockwise attention where cuDNN's would run, without the float32
+copies of bfloat16 values only XLA:CPU makes). bf16 compute (fp32 weights and AdamW
+state for a full fine-tune; a bfloat16 frozen base for LoRA rank 8 on every
+projection), full remat, scanned layers, one
 sequence per device; FSDP over the slice for the full fine-tunes. The step time is
 the planner's roofline at the hardware's published peak (a lower bound; see
 `redcoast.plan._targets.StepEstimate`).
@@ -14,8 +15,9 @@ the planner's roofline at the hardware's published peak (a lower bound; see
 Mixtral, Gemma 2, Phi-3): LoRA rank 16 on every projection of a bfloat16 base, 4096
 tokens, full remat, scanned layers, on one 24 GB GPU (an L4) and one 16 GB TPU v5e chip.
 
-Run: python scripts/plan_targets.py [--families]
-     (writes bench-results/plan_targets.json or plan_targets_families.json)
+Run: python scripts/plan_targets.py [--families] [--only TARGET[,TARGET...]]
+     (writes bench-results/plan_targets.json or plan_targets_families.json; with
+     `--only`, the rows for those targets replace theirs there, the rest are kept)
 """
 
 from __future__ import annotations
@@ -69,8 +71,12 @@ def main() -> None:
         "| estimated step | tokens/s | MFU | planned in |"
     )
     print("|" + "---|" * 10)
-    families = "--families" in sys.argv[1:]
+    args = sys.argv[1:]
+    families = "--families" in args
+    only = set(args[args.index("--only") + 1].split(",")) if "--only" in args else None
     for model, seq, target, rank, fsdp in FAMILY_ROWS if families else ROWS:
+        if only is not None and target not in only:
+            continue
         start = time.perf_counter()
         plan = rc.memory_plan(
             model,
@@ -101,6 +107,11 @@ def main() -> None:
         rows.append({"model": model, "tokens": seq, "target": target, **plan.to_dict()})
     out = Path(f"bench-results/plan_targets{'_families' if families else ''}.json")
     out.parent.mkdir(exist_ok=True)
+    if only is not None and out.exists():
+        kept = [row for row in json.loads(out.read_text()) if row["target"] not in only]
+        order = [row[:3] for row in (FAMILY_ROWS if families else ROWS)]
+        key = lambda r: order.index((r["model"], r["tokens"], r["target"]))  # noqa: E731
+        rows = sorted(kept + rows, key=key)
     out.write_text(json.dumps(rows, indent=2, default=str) + "\n")
 
 

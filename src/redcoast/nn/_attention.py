@@ -417,7 +417,8 @@ def attention(
         return _einsum(q, k, v, o, scale=scale, recompute=recompute)
     if chosen == "cudnn":
         _kernels.refuse("cudnn", _kernels.cudnn_refusal(q, k, o))
-        return _kernels.cudnn(q, k, v, causal=causal, window=window, scale=scale)
+        if not _kernels.stand_in():
+            return _kernels.cudnn(q, k, v, causal=causal, window=window, scale=scale)
     if chosen == "pallas":
         _kernels.refuse("pallas", _kernels.pallas_refusal(q, k, o))
         return _kernels.pallas(

@@ -17,11 +17,20 @@ kernel's residuals cannot leave it), and the forward's output is all it keeps.
 
 `*_refusal` say why a kernel does not apply to a call (None: it does); `"auto"` then
 picks another implementation, and an explicit request is refused naming the reason.
+
+No GPU compiler runs where a GPU is only planned for: under `planned_for("gpu")` a
+step traced for CPU devices attends as it would on a GPU, except that where cuDNN's
+kernel would run, the blockwise attention stands in for it. Both keep the same things
+for the backward pass (queries, keys, values, the output and each query's log-sum-exp)
+and never hold a whole score matrix, so the CPU compiler's memory is a GPU's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import jax
@@ -40,8 +49,10 @@ __all__ = [
     "cudnn_refusal",
     "pallas",
     "pallas_refusal",
+    "planned_for",
     "platform",
     "refuse",
+    "stand_in",
 ]
 
 _DATA, _MODEL = "data", "model"
@@ -55,9 +66,32 @@ def active_mesh() -> Mesh | None:
     return None if active is None else active.mesh
 
 
+_PLANNED: ContextVar[str | None] = ContextVar("redcoast_planned_platform", default=None)
+
+
+@contextlib.contextmanager
+def planned_for(where: str) -> Iterator[None]:
+    """Trace attention as for `where` (`"gpu"`) while compiling for this machine's CPU:
+    the planner's GPU estimate. See the module's docstring."""
+    token = _PLANNED.set(where)
+    try:
+        yield
+    finally:
+        _PLANNED.reset(token)
+
+
+def stand_in() -> bool:
+    """Whether an accelerator's kernel is only planned for: the blockwise attention
+    runs in its place."""
+    return _PLANNED.get() is not None
+
+
 def platform() -> str:
-    """The platform the computation is for: the active step's mesh's, else the device
-    `jax.default_device` names, else JAX's default backend."""
+    """The platform the computation is for: the one planned for (`planned_for`), else
+    the active step's mesh's, else the device `jax.default_device` names, else JAX's
+    default backend."""
+    if (planned := _PLANNED.get()) is not None:
+        return planned
     mesh = active_mesh()
     if mesh is not None:
         return mesh.devices.flat[0].platform

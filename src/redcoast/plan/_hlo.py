@@ -5,8 +5,8 @@ stack is a `while` whose body runs `known_trip_count` times, so what the body
 does counts that many times (`multipliers`), and so do the bytes it moves
 (`bytes_accessed`). Collectives are read with their
 result sizes (`collective_bytes`). XLA:CPU computes bfloat16 matmuls in float32:
-it converts bfloat16 arguments to float32 copies that no GPU or TPU program makes
-(`cpu_float32_copies`).
+it converts bfloat16 weights and saved activations to float32 copies that no GPU or
+TPU program makes (`cpu_float32_copies`).
 """
 
 from __future__ import annotations
@@ -287,28 +287,57 @@ def _started(shape: str, line: str) -> str:
     return parts[1] if len(parts) >= 2 else shape
 
 
-def cpu_float32_copies(text: str) -> int:
-    """Bytes of the float32 copies XLA:CPU makes of bfloat16 arguments at the top level.
+_TO_FLOAT32 = re.compile(r"\s*%?[\w.\-]+\s*=\s*f32\[([\d,]*)\]\S*\s+(convert|fusion)\((.*?)\)(.*)")
 
-    XLA:CPU has no bfloat16 matmul: it converts a bfloat16 argument (a frozen
-    bfloat16 weight) to float32 once, outside the layer loop, and the copy lives
-    through the step. GPU and TPU compilers multiply bfloat16 as it is. Counted:
-    every instruction of the entry computation that makes a float32 array of the
-    shape of a bfloat16 parameter from that parameter alone.
+
+def cpu_float32_copies(text: str) -> int:
+    """Bytes XLA:CPU's float32 copies of bfloat16 values add to the step's peak.
+
+    XLA:CPU has no bfloat16 matmul: at the top level it converts bfloat16 values to
+    float32 for the float32 matmuls of the layer loops, and GPU and TPU compilers
+    multiply bfloat16 as it is. Two kinds of copy, each an instruction of the entry
+    computation that only converts one bfloat16 value to float32 of its shape:
+    - of a parameter (a frozen bfloat16 weight), made once and kept through the
+      step while the parameter lives on: the whole copy is extra;
+    - of a computed value (a stack of activations the forward loop saved for the
+      backward one): where the conversion is the value's only use, the bfloat16
+      value dies there and a GPU would keep it instead, so half the copy is extra
+      (bfloat16 is half of float32); where it is used again, all of it.
+    Both are taken as live at the peak, which the backward loop's start is.
     """
     comps, entry = _computations(text)
     lines = comps.get(entry, [])
-    params: dict[str, str] = {}
+    kinds: dict[str, tuple[str, str]] = {}  # name -> (its type, its op)
+    uses: dict[str, int] = defaultdict(int)
     for line in lines:
-        m = re.match(r"\s*%?([\w.\-]+)\s*=\s*bf16\[([\d,]*)\]\S*\s+parameter\(", line)
-        if m:
-            params[m[1]] = m[2]
-    total = 0
+        found = _INSTRUCTION.match(line)
+        if found is None:
+            continue
+        kinds[found[1]] = (found[2], found[3])
+        for operand in re.findall(r"%([\w.\-]+)", line.split("=", 1)[1]):
+            uses[operand] += 1
+    total = 0.0
     for line in lines:
-        m = re.match(r"\s*%?[\w.\-]+\s*=\s*f32\[([\d,]*)\]\S*\s+(convert|fusion)\((.*?)\)", line)
+        m = _TO_FLOAT32.match(line)
         if not m:
             continue
         operands = [o.split()[-1].lstrip("%") for o in m[3].split(",") if o.strip()]
-        if len(operands) == 1 and params.get(operands[0]) == m[1]:
-            total += shape_bytes(f"f32[{m[1]}]")
-    return total
+        if len(operands) != 1 or operands[0] not in kinds:
+            continue
+        source_type, source_op = kinds[operands[0]]
+        if not re.match(rf"bf16\[{m[1]}\](\{{|$)", source_type):
+            continue
+        if m[2] == "fusion" and not _only_converts(comps, m[4]):
+            continue
+        copy = shape_bytes(f"f32[{m[1]}]")
+        total += copy if source_op == "parameter" or uses[operands[0]] > 1 else copy / 2
+    return int(total)
+
+
+def _only_converts(comps: dict[str, list[str]], rest: str) -> bool:
+    """Whether the fused computation a fusion calls does nothing but convert (and
+    regroup) its one parameter."""
+    fused = _FUSED.search(rest)
+    body = comps.get(fused[1], []) if fused else []
+    ops = {found[3] for line in body if (found := _INSTRUCTION.match(line))}
+    return bool(ops) and ops <= {"parameter", "convert", "bitcast", "copy", "reshape"}

@@ -127,8 +127,9 @@ class MemoryPlan:
         lora: the LoRA settings of a LoRA plan, else `None`.
         n_trainable: parameters that train (all of them without LoRA).
         target: the hardware planned for (`"cpu"`, a TPU slice, a GPU).
-        cpu_copies: for a GPU, the bytes of float32 copies of bfloat16 arguments the
-            CPU compiler made and a GPU does not, left out of `peak`.
+        cpu_copies: for a GPU, the bytes the CPU compiler's float32 copies of bfloat16
+            weights and activations add, which a GPU's program does not: left out of
+            `peak` (`redcoast.plan._hlo.cpu_float32_copies`).
         estimate: the step's time on the target, where its peak figures are known.
         refused: the compiler's message when it refused the step as larger than the
             device (the TPU compiler does); `temporaries` is then the figure it gave.
@@ -215,9 +216,10 @@ class MemoryPlan:
             lines.append(f"the compiler refused the step as larger than the device: {self.refused}")
         if self.cpu_copies:
             lines.append(
-                f"estimated for the GPU from the CPU compiler's program, less the "
-                f"{fmt_bytes(self.cpu_copies)} of float32 copies of bfloat16 arguments that "
-                "only XLA:CPU makes"
+                "estimated for the GPU from the CPU compiler's program, attending "
+                "blockwise where cuDNN's fused attention would run, less the "
+                f"{fmt_bytes(self.cpu_copies)} that XLA:CPU's float32 copies of bfloat16 "
+                "weights and activations add"
             )
         if self.estimate is not None:
             lines.append(str(self.estimate))

@@ -253,8 +253,8 @@ class Measured:
         bytes_accessed: bytes one device reads and writes: the compiler's count, each
             loop's body multiplied out as often as it runs (`_hlo.loop_factor`).
         collective_bytes: bytes collectives produce on one device, loops counted.
-        cpu_copies: bytes of float32 copies of bfloat16 arguments that only XLA:CPU
-            makes (0 on other compilers).
+        cpu_copies: bytes that float32 copies of bfloat16 weights and activations add,
+            which only XLA:CPU makes (0 on other compilers; `cpu_float32_copies`).
         tokens: tokens of the global batch.
         refused: the compiler's message when it refused the step as larger than
             the device (the TPU compiler does); `temporaries` is then its figure.

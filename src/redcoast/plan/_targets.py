@@ -3,8 +3,9 @@
 With `libtpu` installed (`pip install 'redcoast[tpu]'`), JAX compiles for a TPU
 topology on a machine without a TPU: `memory_plan(target="v5e-8")` compiles the
 real step with the TPU compiler and reads its memory. No GPU compiler runs here:
-a GPU plan is the CPU compiler's program without the float32 copies of bfloat16
-arguments that only XLA:CPU makes (`_hlo.cpu_float32_copies`). Each target's
+a GPU plan is the CPU compiler's program, attending blockwise where a GPU would run
+cuDNN's fused attention and without what the float32 copies of bfloat16 weights and
+activations that only XLA:CPU makes add (`_hlo.cpu_float32_copies`). Each target's
 peak bfloat16 FLOP/s, memory bandwidth and interconnect (per device, dense, as
 published) give a step-time estimate (`StepEstimate`).
 

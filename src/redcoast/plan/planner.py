@@ -18,6 +18,7 @@ is in `_report.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._units import fmt_bytes as fmt_bytes
 from .._units import parse_bytes as parse_bytes
+from ..nn._kernels import planned_for
 from ..parallel._sharding_plan import ShardingPlan
 from ..quant import check_format
 from ._report import PRECISIONS as PRECISIONS
@@ -164,9 +166,12 @@ class _Job:
 
 
 def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan:
-    found = compile_step(
-        job.model, layout, job.lora, devices=target_devices(job.target, layout.devices)
-    )
+    devices = target_devices(job.target, layout.devices)
+    # For a GPU, the CPU compiler's program attends as a GPU would: blockwise where
+    # cuDNN's fused attention would run (no score matrix), not by the CPU's einsum.
+    planned = planned_for("gpu") if job.target.kind == "gpu" else contextlib.nullcontext()
+    with planned:
+        found = compile_step(job.model, layout, job.lora, devices=devices)
     n_trainable = found.n_params
     if job.lora is not None:
         from ..lora._layers import trainable
