@@ -45,7 +45,7 @@ EXPECTED = {
     "ppo": {"mean_return"},
     "seq2seq": {"rougeL", "rouge2", "exact"},
     "captioning": {"rougeL", "exact"},
-    "text_to_image": {"recognised", "colour", "shape"},
+    "text_to_image": {"recognised", "colour", "shape", "place"},
 }
 
 
