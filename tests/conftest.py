@@ -198,8 +198,24 @@ def _named(table: dict[str, list[str]], ids: dict[str, pytest.Item], strict: boo
     return named & ids.keys()
 
 
+# The longest tests of each session (seconds here), started first: two workers
+# (pytest-xdist) hand out tests in this order, and a long test handed out last keeps one
+# worker busy after the other has finished.
+LONGEST = (
+    "test_readme.py::test_the_readme_runs_in_order_in_an_empty_folder",  # slow, 208
+    "test_bench_peer.py::test_flax_free_rows_train",  # slow, 75
+    "test_faults.py::test_a_device_starved_for_a_minute_aborts_only_without_simulate_devices",
+    "test_quant.py::test_no_full_precision_weight_lives_in_the_compiled_step",  # slow, 42
+    "test_examples.py::test_finetune_says_it_pretrains_its_base_for_base_steps_and_pretrained_"
+    "makes_one",  # slow, 41
+    "test_context_zoo.py::test_fit_and_predict_with_context_parallelism_equal_them_without",
+    "test_plan.py::test_cli_plans_and_reports",  # slow, 38
+    "test_examples.py::test_example_runs_through_the_cli",  # slow, 35 a case
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark `LATER`'s cases `exhaustive` and `SLOW`'s `slow`."""
+    """Mark `LATER`'s cases `exhaustive` and `SLOW`'s `slow`; `LONGEST` first."""
     ids = {item.nodeid.removeprefix("tests/"): item for item in items}
     # Cases picked by node id (`file.py::test[case]`) leave the test's other cases out.
     strict = not any("::" in arg for arg in config.args)
@@ -207,3 +223,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ids[node].add_marker(pytest.mark.exhaustive)
     for node in _named(SLOW, ids, strict):
         ids[node].add_marker(pytest.mark.slow)
+
+    def rank(item: pytest.Item) -> int:
+        test = item.nodeid.removeprefix("tests/").split("[")[0]
+        return LONGEST.index(test) if test in LONGEST else len(LONGEST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
