@@ -69,6 +69,9 @@ def test_the_cpus_float32_copies_of_bfloat16_weights_and_saved_activations_are_f
     grad = jax.grad(lambda x, w: layers(x, w).astype(jnp.float32).sum(), argnums=1)
     text = jax.jit(grad).lower(x, w).compile().as_text() or ""
     copies = _hlo.cpu_float32_copies(text)
+    if "f32[8,128,128]" not in text:  # an XLA:CPU that multiplies bfloat16 (JAX 0.12)
+        assert copies == 0
+        return
     # The weight's float32 copy, kept through the step, and half of each float32 stack of
     # saved activations (a bfloat16 stack, converted once, that a GPU would keep instead).
     weight, half_a_stack = 4 * 8 * 128 * 128, 4 * 8 * 64 * 128 // 2
