@@ -10,7 +10,7 @@ arguments it runs offline: a small GPT-2
 and its BPE tokenizer pretrained on Python's documentation (built once into
 `--base-dir` in `--base-steps` steps, before fine-tuning's `--max-steps`; see
 `_pretrained.py` and `redcoast pretrained`) are fine-tuned on another domain that
-ships with Python, the standard library's own source code (`--lora-table-rank 2`,
+ships with Python, the standard library's own source code (`--lora-table-rank 6`,
 `--lora-rank R`: LoRA adapters only, on the token table that the head is tied to
 and on every projection, merged before writing; `--quantize nf4` stores the frozen
 projections in QLoRA's 4-bit NormalFloat as they are read). Prints held-out perplexity before

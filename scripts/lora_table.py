@@ -33,6 +33,7 @@ ROWS = [
     ("LoRA rank 8 on the projections + norms and biases trainable, lr 1e-2", 8, 0, 1e-2, "norms"),
     ("the token table alone trainable (no LoRA), lr 1e-2", 8, 0, 1e-2, "table"),
     ("LoRA rank 2 on the token table, lr 1e-2", 0, 2, 1e-2, None),
+    ("LoRA rank 6 on the token table, lr 1e-2", 0, 6, 1e-2, None),
     ("LoRA rank 1 on the projections, 2 on the token table, lr 1e-2", 1, 2, 1e-2, None),
     ("LoRA rank 2 on the projections and the token table, lr 1e-2", 2, 2, 1e-2, None),
 ]

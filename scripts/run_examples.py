@@ -57,7 +57,7 @@ BARS = {
 VARIANTS = {
     "finetune_lora": (
         "finetune",
-        ["--lora-table-rank", "2", "--learning-rate", "1e-2"],
+        ["--lora-table-rank", "6", "--learning-rate", "1e-2"],
     ),
     "finetune_lora8": ("finetune", ["--lora-rank", "8", "--learning-rate", "1e-2"]),
     "finetune_qlora": (
