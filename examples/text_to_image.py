@@ -66,10 +66,11 @@ def pred_fn(model: DiT, batch: dict[str, Array], key: PRNGKeyArray) -> Array:
 
 def classifier(seed: int, n: int = 2520) -> np.ndarray:
     """Ridge regression from a real shape alone, noised, to its (colour, shape, place)."""
-    images = np.stack([draw([SHAPES_ALONE[i % 84]], 2 * 10**6 + i) for i in range(n)])
+    kinds = np.arange(n) % len(SHAPES_ALONE)
+    images = np.stack([draw([SHAPES_ALONE[k]], 2 * 10**6 + i) for i, k in enumerate(kinds)])
     noise = np.random.default_rng(seed).normal(0, 0.3, images.shape)
     x = rearrange(images + noise, "b c h w -> b (c h w)")
-    return np.linalg.solve(x.T @ x + np.eye(x.shape[1]), x.T @ np.eye(84)[np.arange(n) % 84])
+    return np.linalg.solve(x.T @ x + np.eye(x.shape[1]), x.T @ np.eye(len(SHAPES_ALONE))[kinds])
 
 
 def write_png(path: Path, images: np.ndarray, columns: int = 12, scale: int = 4) -> None:
