@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -317,7 +318,14 @@ def hand_layout(name: str, model: eqx.Module, n: int, x: object) -> object:
     layouts = [arch.layout(model, table) for table in ARCHS[name][1]]
     if len(layouts) == 1:
         return layouts[0]
-    return min(layouts, key=lambda specs: measure(model, specs, n, x)["model_bytes"])
+
+    def model_bytes(specs: object) -> float:
+        try:
+            return measure(model, specs, n, x)["model_bytes"]
+        except ValueError:  # rc.place refuses it: more shards than experts to split, say
+            return math.inf
+
+    return min(layouts, key=model_bytes)
 
 
 def measure(model: eqx.Module, specs: object, n: int, x: object) -> dict[str, float]:
