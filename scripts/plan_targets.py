@@ -22,6 +22,7 @@ Run: python scripts/plan_targets.py [--families] [--only TARGET[,TARGET...]]
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -60,7 +61,23 @@ FAMILY_ROWS = [
 ]
 
 
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", action="store_true", help="today's checkpoints")
+    parser.add_argument(
+        "--only", metavar="TARGET[,TARGET...]", help="plan these targets' rows, keep the rest"
+    )
+    return parser.parse_args()
+
+
 def main() -> None:
+    args = _arguments()
+    families, table = args.families, FAMILY_ROWS if args.families else ROWS
+    targets = {row[2] for row in table}
+    only = None if args.only is None else set(args.only.split(","))
+    if only is not None and only - targets:
+        sys.exit(f"--only: no rows for {sorted(only - targets)}; the targets: {sorted(targets)}")
+
     import redcoast as rc
     from redcoast._units import fmt_bytes
 
@@ -71,10 +88,7 @@ def main() -> None:
         "| estimated step | tokens/s | MFU | planned in |"
     )
     print("|" + "---|" * 10)
-    args = sys.argv[1:]
-    families = "--families" in args
-    only = set(args[args.index("--only") + 1].split(",")) if "--only" in args else None
-    for model, seq, target, rank, fsdp in FAMILY_ROWS if families else ROWS:
+    for model, seq, target, rank, fsdp in table:
         if only is not None and target not in only:
             continue
         start = time.perf_counter()
@@ -109,7 +123,7 @@ def main() -> None:
     out.parent.mkdir(exist_ok=True)
     if only is not None and out.exists():
         kept = [row for row in json.loads(out.read_text()) if row["target"] not in only]
-        order = [row[:3] for row in (FAMILY_ROWS if families else ROWS)]
+        order = [row[:3] for row in table]
         key = lambda r: order.index((r["model"], r["tokens"], r["target"]))  # noqa: E731
         rows = sorted(kept + rows, key=key)
     out.write_text(json.dumps(rows, indent=2, default=str) + "\n")

@@ -419,6 +419,7 @@ def attention(
         _kernels.refuse("cudnn", _kernels.cudnn_refusal(q, k, o))
         if not _kernels.stand_in():
             return _kernels.cudnn(q, k, v, causal=causal, window=window, scale=scale)
+        # Only planned for (no GPU here): the blockwise attention below stands in.
     if chosen == "pallas":
         _kernels.refuse("pallas", _kernels.pallas_refusal(q, k, o))
         return _kernels.pallas(

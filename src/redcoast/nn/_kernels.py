@@ -70,9 +70,9 @@ _PLANNED: ContextVar[str | None] = ContextVar("redcoast_planned_platform", defau
 
 
 @contextlib.contextmanager
-def planned_for(where: str) -> Iterator[None]:
+def planned_for(where: str | None) -> Iterator[None]:
     """Trace attention as for `where` (`"gpu"`) while compiling for this machine's CPU:
-    the planner's GPU estimate. See the module's docstring."""
+    the planner's GPU estimate (see the module's docstring); `None` changes nothing."""
     token = _PLANNED.set(where)
     try:
         yield

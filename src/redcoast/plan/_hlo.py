@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 __all__ = [
     "bytes_accessed",
@@ -287,9 +287,6 @@ def _started(shape: str, line: str) -> str:
     return parts[1] if len(parts) >= 2 else shape
 
 
-_TO_FLOAT32 = re.compile(r"\s*%?[\w.\-]+\s*=\s*f32\[([\d,]*)\]\S*\s+(convert|fusion)\((.*?)\)(.*)")
-
-
 def cpu_float32_copies(text: str) -> int:
     """Bytes XLA:CPU's float32 copies of bfloat16 values add to the step's peak.
 
@@ -306,38 +303,31 @@ def cpu_float32_copies(text: str) -> int:
     Both are taken as live at the peak, which the backward loop's start is.
     """
     comps, entry = _computations(text)
-    lines = comps.get(entry, [])
-    kinds: dict[str, tuple[str, str]] = {}  # name -> (its type, its op)
-    uses: dict[str, int] = defaultdict(int)
-    for line in lines:
-        found = _INSTRUCTION.match(line)
-        if found is None:
-            continue
-        kinds[found[1]] = (found[2], found[3])
-        for operand in re.findall(r"%([\w.\-]+)", line.split("=", 1)[1]):
-            uses[operand] += 1
+    found = [m for line in comps.get(entry, []) if (m := _INSTRUCTION.match(line))]
+    kinds = {m[1]: (m[2], m[3]) for m in found}  # name -> (its type, its op)
+    uses = Counter(
+        name for m in found for name in re.findall(r"%([\w.\-]+)", m.string.split("=", 1)[1])
+    )
     total = 0.0
-    for line in lines:
-        m = _TO_FLOAT32.match(line)
-        if not m:
+    for m in found:
+        shape = re.fullmatch(r"f32\[([\d,]*)\]\S*", m[2])
+        operands = [o.split()[-1].lstrip("%") for o in m[4].split(",") if o.strip()]
+        if shape is None or m[3] not in ("convert", "fusion") or len(operands) != 1:
             continue
-        operands = [o.split()[-1].lstrip("%") for o in m[3].split(",") if o.strip()]
-        if len(operands) != 1 or operands[0] not in kinds:
+        source_type, source_op = kinds.get(operands[0], ("", ""))
+        if not re.match(rf"bf16\[{shape[1]}\](\{{|$)", source_type):
             continue
-        source_type, source_op = kinds[operands[0]]
-        if not re.match(rf"bf16\[{m[1]}\](\{{|$)", source_type):
+        if m[3] == "fusion" and not _only_converts(comps, m.string):
             continue
-        if m[2] == "fusion" and not _only_converts(comps, m[4]):
-            continue
-        copy = shape_bytes(f"f32[{m[1]}]")
+        copy = shape_bytes(f"f32[{shape[1]}]")
         total += copy if source_op == "parameter" or uses[operands[0]] > 1 else copy / 2
     return int(total)
 
 
-def _only_converts(comps: dict[str, list[str]], rest: str) -> bool:
+def _only_converts(comps: dict[str, list[str]], line: str) -> bool:
     """Whether the fused computation a fusion calls does nothing but convert (and
     regroup) its one parameter."""
-    fused = _FUSED.search(rest)
+    fused = _FUSED.search(line)
     body = comps.get(fused[1], []) if fused else []
-    ops = {found[3] for line in body if (found := _INSTRUCTION.match(line))}
+    ops = {found[3] for instruction in body if (found := _INSTRUCTION.match(instruction))}
     return bool(ops) and ops <= {"parameter", "convert", "bitcast", "copy", "reshape"}

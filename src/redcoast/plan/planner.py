@@ -18,7 +18,6 @@ is in `_report.py`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
@@ -169,8 +168,7 @@ def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan
     devices = target_devices(job.target, layout.devices)
     # For a GPU, the CPU compiler's program attends as a GPU would: blockwise where
     # cuDNN's fused attention would run (no score matrix), not by the CPU's einsum.
-    planned = planned_for("gpu") if job.target.kind == "gpu" else contextlib.nullcontext()
-    with planned:
+    with planned_for("gpu" if job.target.kind == "gpu" else None):
         found = compile_step(job.model, layout, job.lora, devices=devices)
     n_trainable = found.n_params
     if job.lora is not None:
