@@ -5,12 +5,12 @@ A model is token embeddings (plus learned positions for GPT-2 and OPT), a stack 
 a final norm and a vocabulary head (tied to the token embeddings, or its own
 Linear). `AbstractCausalLM` runs that forward pass, the cached forward pass for
 generation, and the Hugging Face import/export; an architecture (`GPT2`, `Llama`,
-`OPT`, `GPTJ`) only builds its fields from its config and says how they map to a
-`transformers` checkpoint (`hf_tensors`).
+`OPT`, `GPTJ`, the `Decoder` families) only builds those parts from its config
+(`build`) and says how they map to a `transformers` checkpoint (`hf_tensors`).
 """
 
 import abc
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
-from ..nn import RematPolicy, table_dtype, tied_logits
+from ..nn import Implementation, RematPolicy, check_remat, table_dtype, tied_logits
 from ..parallel import fsdp
 from ..parallel.place import placement_hint
 from . import hf
@@ -32,37 +32,46 @@ Cache = tuple[KVCache, ...] | KVCache
 """One `KVCache` per layer, or one stacked `KVCache` for scanned layers."""
 
 
+class Parts(NamedTuple):
+    """What an architecture builds from its config (`AbstractCausalLM.build`)."""
+
+    embed_tokens: eqx.nn.Embedding
+    embed_positions: eqx.nn.Embedding | None
+    blocks: Blocks
+    norm: AnyNorm
+    lm_head: eqx.nn.Linear | None
+
+
 class AbstractCausalLM(hf.HFModel):
     """A decoder-only language model: embed, `DecoderBlock`s, final norm, vocabulary head.
 
     Called on one unbatched sequence of token ids, it returns the logits of the next
     token at every position; batch it with `jax.vmap`. Concrete models: `GPT2`,
-    `Llama`, `OPT`, `GPTJ`.
-
-    Every concrete model also has a static `config`, its hyperparameters named as in
-    the model's Hugging Face config.json, and a static `remat`: the rematerialisation
-    policy of each block in the training forward pass (`"none"`, `"dots"`,
-    `"attention"`, `"full"`; see `rc.remat`).
+    `OPT`, `GPTJ` and the `Decoder` families (`Llama`, `Qwen2`, `Mistral`, ...), each
+    constructed alike (`__init__`) from the parts its `build` draws.
 
     The models follow their parameters' dtype: in bfloat16 the matmuls run in
     bfloat16 while norms and the attention softmax compute in float32, and the
     logits are returned in float32 so that a cross-entropy on them is float32.
 
     Attributes:
+        config: (static) the hyperparameters, named as in the model's config.json.
         embed_tokens: the token embeddings.
         embed_positions: learned position embeddings, or `None` (rotary models).
         blocks: the decoder layers.
         norm: the final norm.
         lm_head: the vocabulary head, or `None` when it is tied to `embed_tokens`.
+        remat: (static) each block's rematerialisation policy in the training forward
+            pass (`"none"`, `"dots"`, `"attention"`, `"full"`; see `rc.remat`).
     """
 
-    embed_tokens: eqx.AbstractVar[eqx.nn.Embedding]
-    embed_positions: eqx.AbstractVar[eqx.nn.Embedding | None]
-    blocks: eqx.AbstractVar[Blocks]
-    norm: eqx.AbstractVar[AnyNorm]
-    lm_head: eqx.AbstractVar[eqx.nn.Linear | None]
-    config: eqx.AbstractVar[Any]
-    remat: eqx.AbstractVar[RematPolicy]
+    config: Any = eqx.field(static=True)
+    embed_tokens: eqx.nn.Embedding
+    embed_positions: eqx.nn.Embedding | None
+    blocks: Blocks
+    norm: AnyNorm
+    lm_head: eqx.nn.Linear | None
+    remat: RematPolicy = eqx.field(static=True)
 
     config_class: ClassVar[type[hf.HFConfig]]
     # OPT's position table starts at row 2 (rows 0 and 1 are a fairseq leftover).
@@ -71,6 +80,49 @@ class AbstractCausalLM(hf.HFModel):
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ()
     # What transformers puts before the base model's tensor names (`transformer.h.0...`).
     hf_base_prefix: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        scan_layers: bool = False,
+        remat: str = "none",
+        attention: Implementation = "auto",
+        key: PRNGKeyArray,
+    ):
+        """Build the model from its config, initialised from scratch as `transformers` does.
+
+        Args:
+            config: the hyperparameters (the architecture's `config_class`).
+            scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
+            remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
+                (keep the projections' outputs), `"attention"` (all but attention's
+                scores) or `"full"` (see `rc.remat`).
+            attention: how attention computes: `"auto"`, `"einsum"` (the score matrix
+                written out), `"blockwise"` (flash-style blocks that never hold it),
+                `"cudnn"` or `"pallas"` (see `rc.nn.attention`).
+            key: for the random initialisation; each architecture's docstring says
+                how it draws.
+        """
+        self.config = config
+        self.remat = check_remat(remat)
+        parts = self.build(
+            config, scan_layers=scan_layers, remat=remat, attention=attention, key=key
+        )
+        self.embed_tokens, self.embed_positions, self.blocks, self.norm, self.lm_head = parts
+
+    @classmethod
+    @abc.abstractmethod
+    def build(
+        cls,
+        config: Any,
+        *,
+        scan_layers: bool,
+        remat: str,
+        attention: Implementation,
+        key: PRNGKeyArray,
+    ) -> Parts:
+        """The architecture's arrays for `config`, drawn from `key` (see `__init__`)."""
 
     @classmethod
     @abc.abstractmethod

@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..nn import Implementation, RematPolicy, check_remat
+from ..nn import Implementation
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Blocks
-from .init import normal_init, zero_unused_rows
+from .causal_lm import AbstractCausalLM, Parts
+from .init import normal_init, token_embeddings, vocab_head
 from .layers import (
     AnyNorm,
     Attention,
@@ -387,66 +387,40 @@ def _block(
 class Decoder(AbstractCausalLM):
     """A decoder of `DecoderConfig`'s family, called on one unbatched sequence of token ids.
 
-    Args:
-        config: the hyperparameters.
-        scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
-        remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
-            (keep the projections' outputs), `"attention"` (all but attention's scores)
-            or `"full"` (see `rc.remat`).
-        attention: how attention is computed (`rc.nn.attention`'s `implementation`:
-            `"auto"`, `"einsum"`, `"blockwise"`, `"cudnn"`, `"pallas"`).
-        key: for the random initialisation, as `transformers`': weights, experts and
-            embeddings N(0, `initializer_range`), zero biases, norms one (Gemma's
-            `1 + weight` norms zero), the padding token's embedding zero.
-
-    Example:
-        >>> config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-        ...                      num_hidden_layers=2, num_attention_heads=4,
-        ...                      num_key_value_heads=2)
-        >>> model = Llama(config, key=jax.random.key(0))
-        >>> model(jnp.arange(10)).shape
-        (10, 128)
+    Constructed with `(config, *, scan_layers, remat, attention, key)` (see
+    `AbstractCausalLM.__init__`). Initialised as `transformers` does: weights, experts
+    and embeddings N(0, `initializer_range`), zero biases, norms one (Gemma's
+    `1 + weight` norms zero), the padding token's embedding zero. Built through a
+    family's class: `Llama`, `Qwen2`, `Qwen3`, `Mistral`, `Mixtral`, `Gemma2`, `Gemma3`,
+    `Phi3`.
     """
-
-    config: DecoderConfig = eqx.field(static=True)
-    embed_tokens: eqx.nn.Embedding
-    embed_positions: eqx.nn.Embedding | None
-    blocks: Blocks
-    norm: AnyNorm
-    lm_head: eqx.nn.Linear | None
-    remat: RematPolicy = eqx.field(static=True)
 
     config_class: ClassVar[type[hf.HFConfig]] = DecoderConfig
     hf_base_prefix: ClassVar[str] = "model."
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
-    def __init__(
-        self,
+    @classmethod
+    def build(
+        cls,
         config: DecoderConfig,
         *,
-        scan_layers: bool = False,
-        remat: str = "none",
-        attention: Implementation = "auto",
+        scan_layers: bool,
+        remat: str,
+        attention: Implementation,
         key: PRNGKeyArray,
-    ):
+    ) -> Parts:
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         std = c.initializer_range
         block = functools.partial(_block, c, remat=remat, attention=attention)
-        self.config = config
-        self.remat = check_remat(remat)
-        tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
-        self.embed_tokens = zero_unused_rows(
-            normal_init(tokens, std, key=kt), c.vocab_size, c.get_extra("pad_token_id")
-        )
-        self.embed_positions = None
-        self.blocks = make_stack(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
-        self.norm = _norm(c, c.hidden_size)
-        head = eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
-        self.lm_head = (
-            None
-            if c.tie_word_embeddings
-            else zero_unused_rows(normal_init(head, std, key=kh), c.vocab_size)
+        return Parts(
+            embed_tokens=token_embeddings(
+                c, c.hidden_size, std, key=kt, padding_idx=c.get_extra("pad_token_id")
+            ),
+            embed_positions=None,
+            blocks=make_stack(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb),
+            norm=_norm(c, c.hidden_size),
+            lm_head=vocab_head(c, c.hidden_size, std, key=kh),
         )
 
     def layer_attention(self) -> tuple[LayerAttention, ...]:

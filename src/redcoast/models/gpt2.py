@@ -8,26 +8,19 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import Implementation, RematPolicy, check_remat
+from ..nn import Implementation
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Blocks
-from .init import normal_init, zero_unused_rows
-from .layers import MLP, AnyNorm, Attention, DecoderBlock, activation
+from .causal_lm import AbstractCausalLM, Parts
+from .init import normal_init, token_embeddings
+from .layers import MLP, Attention, DecoderBlock, activation
 from .seq2seq import DecoderLayer, Seq2SeqAttention
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GPT2Config(hf.HFConfig):
-    """GPT-2's hyperparameters, named as in `transformers.GPT2Config` (and its config.json).
+class GPTConfig(hf.HFConfig):
+    """The hyperparameters GPT-2 and GPT-J share, named as in their config.json."""
 
-    Example:
-        >>> config = GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4)
-        >>> model = GPT2(config, key=jax.random.key(0))
-    """
-
-    model_type: ClassVar[str] = "gpt2"
-    architecture: ClassVar[str] = "GPT2LMHeadModel"
     sizes: ClassVar[tuple[str, ...]] = (
         "vocab_size",
         "n_positions",
@@ -47,6 +40,24 @@ class GPT2Config(hf.HFConfig):
     activation_function: str = "gelu_new"
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        activation(self.activation_function)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPT2Config(GPTConfig):
+    """GPT-2's hyperparameters, named as in `transformers.GPT2Config` (and its config.json).
+
+    Example:
+        >>> config = GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+        >>> model = GPT2(config, key=jax.random.key(0))
+    """
+
+    model_type: ClassVar[str] = "gpt2"
+    architecture: ClassVar[str] = "GPT2LMHeadModel"
+
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     reorder_and_upcast_attn: bool = False  # changes only the rounding, not the result
@@ -60,24 +71,15 @@ class GPT2Config(hf.HFConfig):
             scale_attn_by_inverse_layer_idx=(self.scale_attn_by_inverse_layer_idx, False),
             tie_word_embeddings=(self.tie_word_embeddings, True),
         )
-        activation(self.activation_function)
 
 
 class GPT2(AbstractCausalLM):
     """GPT-2 as an Equinox module, called on one unbatched sequence of token ids.
 
-    Args:
-        config: the hyperparameters.
-        scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
-        remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
-            (keep the projections' outputs), `"attention"` (all but attention's scores)
-            or `"full"` (see `rc.remat`).
-        attention: how attention computes: `"auto"`, `"einsum"` (the score matrix
-            written out), `"blockwise"` (flash-style blocks that never hold it),
-            `"cudnn"` or `"pallas"` (see `rc.nn.attention`).
-        key: for the random initialisation, as `transformers`': weights and embeddings
-            N(0, `initializer_range`), the residual projections (attention's and the
-            MLP's `c_proj`) N(0, `initializer_range / sqrt(2 * n_layer)`), zero biases.
+    Constructed with `(config, *, scan_layers, remat, attention, key)` (see
+    `AbstractCausalLM.__init__`). Initialised as `transformers` does: weights and
+    embeddings N(0, `initializer_range`), the residual projections (attention's and the
+    MLP's `c_proj`) N(0, `initializer_range / sqrt(2 * n_layer)`), zero biases.
 
     Example:
         >>> config = GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4)
@@ -87,27 +89,20 @@ class GPT2(AbstractCausalLM):
         >>> model = GPT2.from_hf("gpt2-folder")  # a transformers save_pretrained folder
     """
 
-    config: GPT2Config = eqx.field(static=True)
-    embed_tokens: eqx.nn.Embedding
-    embed_positions: eqx.nn.Embedding | None
-    blocks: Blocks
-    norm: AnyNorm
-    lm_head: eqx.nn.Linear | None
-    remat: RematPolicy = eqx.field(static=True)
-
     config_class: ClassVar[type[hf.HFConfig]] = GPT2Config
     hf_base_prefix: ClassVar[str] = "transformer."
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
-    def __init__(
-        self,
+    @classmethod
+    def build(
+        cls,
         config: GPT2Config,
         *,
-        scan_layers: bool = False,
-        remat: str = "none",
-        attention: Implementation = "auto",
+        scan_layers: bool,
+        remat: str,
+        attention: Implementation,
         key: PRNGKeyArray,
-    ):
+    ) -> Parts:
         if config.add_cross_attention:
             raise ValueError(
                 "GPT2Config(add_cross_attention=True) describes the decoder of an "
@@ -149,16 +144,14 @@ class GPT2(AbstractCausalLM):
                 eqx.tree_at(lambda m: m.fc_out, mlp, fc_out),
             )
 
-        self.config = config
-        self.remat = check_remat(remat)
-        tokens = normal_init(eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt), std, key=kt)
-        self.embed_tokens = zero_unused_rows(tokens, c.vocab_size)
-        self.embed_positions = normal_init(
-            eqx.nn.Embedding(c.n_positions, c.n_embd, key=kp), std, key=kp
+        positions = eqx.nn.Embedding(c.n_positions, c.n_embd, key=kp)
+        return Parts(
+            embed_tokens=token_embeddings(c, c.n_embd, std, key=kt),
+            embed_positions=normal_init(positions, std, key=kp),
+            blocks=make_stack(block, c.n_layer, scan_layers=scan_layers, key=kb),
+            norm=eqx.nn.LayerNorm(c.n_embd, eps=eps),
+            lm_head=None,
         )
-        self.blocks = make_stack(block, c.n_layer, scan_layers=scan_layers, key=kb)
-        self.norm = eqx.nn.LayerNorm(c.n_embd, eps=eps)
-        self.lm_head = None
 
     @classmethod
     def hf_tensors(cls, config: GPT2Config) -> list[hf.TensorMap]:

@@ -7,16 +7,17 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import RematPolicy, check_remat
+from ..nn import Implementation
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Blocks
-from .init import normal_init, zero_unused_rows
-from .layers import MLP, AnyNorm, Attention, DecoderBlock, activation
+from .causal_lm import AbstractCausalLM, Parts
+from .gpt2 import GPTConfig
+from .init import normal_init, token_embeddings, vocab_head
+from .layers import MLP, Attention, DecoderBlock, activation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTJConfig(hf.HFConfig):
+class GPTJConfig(GPTConfig):
     """GPT-J's hyperparameters, named as in `transformers.GPTJConfig` (and its config.json).
 
     Example:
@@ -27,16 +28,7 @@ class GPTJConfig(hf.HFConfig):
 
     model_type: ClassVar[str] = "gptj"
     architecture: ClassVar[str] = "GPTJForCausalLM"
-    sizes: ClassVar[tuple[str, ...]] = (
-        "vocab_size",
-        "n_positions",
-        "n_embd",
-        "n_layer",
-        "n_head",
-        "rotary_dim",
-        "n_inner",
-    )
-    divides: ClassVar[tuple[tuple[str, str], ...]] = (("n_head", "n_embd"),)
+    sizes: ClassVar[tuple[str, ...]] = (*GPTConfig.sizes, "rotary_dim")
 
     vocab_size: int = 50400
     n_positions: int = 2048
@@ -44,17 +36,12 @@ class GPTJConfig(hf.HFConfig):
     n_layer: int = 28
     n_head: int = 16
     rotary_dim: int | None = 64
-    n_inner: int | None = None
-    activation_function: str = "gelu_new"
-    layer_norm_epsilon: float = 1e-5
-    initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         # transformers' GPT-J keeps lm_head's bias when tying its weight; not implemented.
         self._require(tie_word_embeddings=(self.tie_word_embeddings, False))
-        activation(self.activation_function)
 
 
 class GPTJ(AbstractCausalLM):
@@ -64,14 +51,9 @@ class GPTJ(AbstractCausalLM):
     embeddings rotate the first `rotary_dim` features of each head, pairwise
     interleaved; the head has a bias.
 
-    Args:
-        config: the hyperparameters.
-        scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
-        remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
-            (keep the projections' outputs), `"attention"` (all but attention's scores)
-            or `"full"` (see `rc.remat`).
-        key: for the random initialisation, as `transformers`': weights and embeddings
-            N(0, `initializer_range`), zero biases.
+    Constructed with `(config, *, scan_layers, remat, attention, key)` (see
+    `AbstractCausalLM.__init__`). Initialised as `transformers` does: weights and
+    embeddings N(0, `initializer_range`), zero biases.
 
     Example:
         >>> config = GPTJConfig(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4,
@@ -81,29 +63,22 @@ class GPTJ(AbstractCausalLM):
         (10, 128)
     """
 
-    config: GPTJConfig = eqx.field(static=True)
-    embed_tokens: eqx.nn.Embedding
-    embed_positions: eqx.nn.Embedding | None
-    blocks: Blocks
-    norm: AnyNorm
-    lm_head: eqx.nn.Linear | None
-    remat: RematPolicy = eqx.field(static=True)
-
     config_class: ClassVar[type[hf.HFConfig]] = GPTJConfig
     hf_base_prefix: ClassVar[str] = "transformer."
 
-    def __init__(
-        self,
+    @classmethod
+    def build(
+        cls,
         config: GPTJConfig,
         *,
-        scan_layers: bool = False,
-        remat: str = "none",
+        scan_layers: bool,
+        remat: str,
+        attention: Implementation,
         key: PRNGKeyArray,
-    ):
+    ) -> Parts:
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         eps = c.layer_norm_epsilon
-        head_dim = c.n_embd // c.n_head
         std = c.initializer_range
 
         def block(k: PRNGKeyArray) -> DecoderBlock:
@@ -113,9 +88,10 @@ class GPTJ(AbstractCausalLM):
                 Attention(
                     c.n_embd,
                     c.n_head,
-                    rotary_dim=c.rotary_dim or head_dim,
+                    rotary_dim=c.rotary_dim or c.n_embd // c.n_head,
                     rope_interleaved=True,
                     recompute_scores=remat == "attention",
+                    implementation=attention,
                     key=ka,
                 ),
                 None,
@@ -128,15 +104,13 @@ class GPTJ(AbstractCausalLM):
             )
             return normal_init(b, std, key=kr)
 
-        self.config = config
-        self.remat = check_remat(remat)
-        tokens = eqx.nn.Embedding(c.padded_vocab_size, c.n_embd, key=kt)
-        self.embed_tokens = zero_unused_rows(normal_init(tokens, std, key=kt), c.vocab_size)
-        self.embed_positions = None
-        self.blocks = make_stack(block, c.n_layer, scan_layers=scan_layers, key=kb)
-        self.norm = eqx.nn.LayerNorm(c.n_embd, eps=eps)
-        head = eqx.nn.Linear(c.n_embd, c.padded_vocab_size, key=kh)
-        self.lm_head = zero_unused_rows(normal_init(head, std, key=kh), c.vocab_size)
+        return Parts(
+            embed_tokens=token_embeddings(c, c.n_embd, std, key=kt),
+            embed_positions=None,
+            blocks=make_stack(block, c.n_layer, scan_layers=scan_layers, key=kb),
+            norm=eqx.nn.LayerNorm(c.n_embd, eps=eps),
+            lm_head=vocab_head(c, c.n_embd, std, key=kh, use_bias=True),
+        )
 
     @classmethod
     def hf_tensors(cls, config: GPTJConfig) -> list[hf.TensorMap]:

@@ -11,7 +11,7 @@ works under `eqx.filter_vmap` (stacked layers) and `eqx.filter_eval_shape`
 (abstract models, no memory).
 """
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -90,3 +90,23 @@ def zero_unused_rows(table: _Table, vocab_size: int, padding_idx: int | None = N
     if padding_idx is not None:
         weight = weight.at[padding_idx].set(0)
     return eqx.tree_at(lambda m: m.weight, table, weight)
+
+
+def token_embeddings(
+    config: Any, width: int, std: float, *, key: PRNGKeyArray, padding_idx: int | None = None
+) -> eqx.nn.Embedding:
+    """A token table of `config.padded_vocab_size` rows drawn from N(0, std), the rows no
+    token uses zeroed (`zero_unused_rows`)."""
+    table = eqx.nn.Embedding(config.padded_vocab_size, width, key=key)
+    return zero_unused_rows(normal_init(table, std, key=key), config.vocab_size, padding_idx)
+
+
+def vocab_head(
+    config: Any, width: int, std: float, *, key: PRNGKeyArray, use_bias: bool = False
+) -> eqx.nn.Linear | None:
+    """A vocabulary head drawn from N(0, std), the rows no token uses zeroed; `None` when
+    `config.tie_word_embeddings` (the logits come from the token table)."""
+    if config.tie_word_embeddings:
+        return None
+    head = eqx.nn.Linear(width, config.padded_vocab_size, use_bias=use_bias, key=key)
+    return zero_unused_rows(normal_init(head, std, key=key), config.vocab_size)

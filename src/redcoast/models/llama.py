@@ -37,19 +37,7 @@ class LlamaConfig(DecoderConfig):
 
 
 class Llama(Decoder):
-    """LLaMA as an Equinox module, called on one unbatched sequence of token ids.
-
-    Args:
-        config: the hyperparameters.
-        scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
-        remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
-            (keep the projections' outputs), `"attention"` (all but attention's scores)
-            or `"full"` (see `rc.remat`).
-        attention: how attention computes: `"auto"`, `"einsum"` (the score matrix
-            written out), `"blockwise"` (flash-style blocks that never hold it),
-            `"cudnn"` or `"pallas"` (see `rc.nn.attention`).
-        key: for the random initialisation, as `transformers`': weights and embeddings
-            N(0, `initializer_range`), zero biases, the padding token's embedding zero.
+    """LLaMA as an Equinox module (see `Decoder`), called on one sequence of token ids.
 
     Example:
         >>> config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,

@@ -7,12 +7,12 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import RematPolicy, check_remat
+from ..nn import Implementation
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Blocks
-from .init import normal_init, zero_unused_rows
-from .layers import MLP, AnyNorm, Attention, DecoderBlock, activation
+from .causal_lm import AbstractCausalLM, Parts
+from .init import normal_init, token_embeddings, vocab_head
+from .layers import MLP, Attention, DecoderBlock, activation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,15 +71,10 @@ class OPTConfig(hf.HFConfig):
 class OPT(AbstractCausalLM):
     """OPT as an Equinox module, called on one unbatched sequence of token ids.
 
-    Args:
-        config: the hyperparameters.
-        scan_layers: stack the layers and run them with `lax.scan` (faster compiles).
-        remat: rematerialise each block in the backward pass: `"none"`, `"dots"`
-            (keep the projections' outputs), `"attention"` (all but attention's scores)
-            or `"full"` (see `rc.remat`).
-        key: for the random initialisation, as `transformers`': weights and embeddings
-            N(0, `init_std`), zero biases, the padding token's embedding zero
-            (`pad_token_id`, 1 unless config.json says otherwise).
+    Constructed with `(config, *, scan_layers, remat, attention, key)` (see
+    `AbstractCausalLM.__init__`). Initialised as `transformers` does: weights and
+    embeddings N(0, `init_std`), zero biases, the padding token's embedding zero
+    (`pad_token_id`, 1 unless config.json says otherwise).
 
     Example:
         >>> config = OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
@@ -89,27 +84,21 @@ class OPT(AbstractCausalLM):
         (10, 128)
     """
 
-    config: OPTConfig = eqx.field(static=True)
-    embed_tokens: eqx.nn.Embedding
-    embed_positions: eqx.nn.Embedding | None
-    blocks: Blocks
-    norm: AnyNorm
-    lm_head: eqx.nn.Linear | None
-    remat: RematPolicy = eqx.field(static=True)
-
     config_class: ClassVar[type[hf.HFConfig]] = OPTConfig
     hf_base_prefix: ClassVar[str] = "model."
     position_offset: ClassVar[int] = 2
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
-    def __init__(
-        self,
+    @classmethod
+    def build(
+        cls,
         config: OPTConfig,
         *,
-        scan_layers: bool = False,
-        remat: str = "none",
+        scan_layers: bool,
+        remat: str,
+        attention: Implementation,
         key: PRNGKeyArray,
-    ):
+    ) -> Parts:
         c = config
         kt, kp, kh, kb = jax.random.split(key, 4)
         std = c.init_std
@@ -125,6 +114,7 @@ class OPT(AbstractCausalLM):
                     qkv_bias=bias,
                     out_bias=bias,
                     recompute_scores=remat == "attention",
+                    implementation=attention,
                     key=ka,
                 ),
                 eqx.nn.LayerNorm(c.hidden_size),
@@ -138,23 +128,17 @@ class OPT(AbstractCausalLM):
             )
             return normal_init(b, std, key=kr)
 
-        self.config = config
-        self.remat = check_remat(remat)
-        tokens = eqx.nn.Embedding(c.padded_vocab_size, c.hidden_size, key=kt)
-        self.embed_tokens = zero_unused_rows(
-            normal_init(tokens, std, key=kt), c.vocab_size, c.get_extra("pad_token_id", 1)
-        )
         positions = eqx.nn.Embedding(
-            c.max_position_embeddings + self.position_offset, c.hidden_size, key=kp
+            c.max_position_embeddings + cls.position_offset, c.hidden_size, key=kp
         )
-        self.embed_positions = normal_init(positions, std, key=kp)
-        self.blocks = make_stack(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb)
-        self.norm = eqx.nn.LayerNorm(c.hidden_size)
-        head = eqx.nn.Linear(c.hidden_size, c.padded_vocab_size, use_bias=False, key=kh)
-        self.lm_head = (
-            None
-            if c.tie_word_embeddings
-            else zero_unused_rows(normal_init(head, std, key=kh), c.vocab_size)
+        return Parts(
+            embed_tokens=token_embeddings(
+                c, c.hidden_size, std, key=kt, padding_idx=c.get_extra("pad_token_id", 1)
+            ),
+            embed_positions=normal_init(positions, std, key=kp),
+            blocks=make_stack(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb),
+            norm=eqx.nn.LayerNorm(c.hidden_size),
+            lm_head=vocab_head(c, c.hidden_size, std, key=kh),
         )
 
     @classmethod

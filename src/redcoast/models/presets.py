@@ -10,6 +10,7 @@ with its sliding window), Mixtral 8x7B, Gemma 2 9B and Phi-3 mini (4k).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .bart import BART, BARTConfig
@@ -55,53 +56,44 @@ def _llama3(factor: float) -> dict[str, Any]:
     }
 
 
+_LLAMA_3 = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=_llama3(8.0),
+)
+"""Llama 3.1 8B; the Llama 3.2 models differ in sizes, RoPE factor and tied head."""
+
 # The hub's config.json of each, sizes and RoPE (token ids aside).
 _TODAY: dict[str, tuple[type[Any], HFConfig]] = {
-    "llama-3.1-8b": (
-        Llama,
-        LlamaConfig(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            rope_scaling=_llama3(8.0),
-        ),
-    ),
+    "llama-3.1-8b": (Llama, _LLAMA_3),
     "llama-3.2-1b": (
         Llama,
-        LlamaConfig(
-            vocab_size=128256,
+        dataclasses.replace(
+            _LLAMA_3,
             hidden_size=2048,
             intermediate_size=8192,
             num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
             head_dim=64,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
             rope_scaling=_llama3(32.0),
             tie_word_embeddings=True,
         ),
     ),
     "llama-3.2-3b": (
         Llama,
-        LlamaConfig(
-            vocab_size=128256,
+        dataclasses.replace(
+            _LLAMA_3,
             hidden_size=3072,
             intermediate_size=8192,
             num_hidden_layers=28,
             num_attention_heads=24,
-            num_key_value_heads=8,
             head_dim=128,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
             rope_scaling=_llama3(32.0),
             tie_word_embeddings=True,
         ),
