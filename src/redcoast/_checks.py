@@ -8,7 +8,7 @@ import numpy as np
 from beartype import BeartypeConf, beartype
 from jaxtyping import jaxtyped
 
-__all__ = ["check_positive", "positive_env", "typechecked"]
+__all__ = ["check_choice", "check_positive", "positive_env", "typechecked"]
 
 typechecked = jaxtyped(typechecker=beartype(conf=BeartypeConf(is_pep484_tower=True)))
 """Check a public function's arguments against its annotations when it is called:
@@ -16,6 +16,17 @@ jaxtyping's array shapes and dtypes (`Float[Array, "*batch seq heads head_dim"]`
 dimensions named alike agree across the arguments) and beartype's types, an int
 passing for a float (PEP 484's numeric tower). Called inside `jit`, the check runs
 once per trace on the abstract shapes."""
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...], hint: str = "") -> Any:
+    """`value` itself if it is one of `choices`, else a `ValueError` naming `name`, the
+    value and every choice, followed by `hint` (a sentence on what the choices do)."""
+    if value not in choices:
+        listed = ", ".join(map(repr, choices))
+        raise ValueError(
+            f"{name} must be one of {listed}; got {value!r}." + (f" {hint}" if hint else "")
+        )
+    return value
 
 
 def check_positive(name: str, value: Any, *, optional: bool = True) -> None:

@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-__all__ = ["array_leaves", "glob_matches", "leaves_with_paths", "path_str"]
+__all__ = ["array_leaves", "glob_matches", "leaves_with_paths", "path_str", "target_globs"]
 
 
 def _key_str(key: Any) -> str:
@@ -46,3 +46,15 @@ def glob_matches(path: str, glob: str) -> bool:
     """Whether `glob` matches `path`; a bare name matches the end of a path, as PEFT's
     `target_modules` do (`"q_proj"` matches `blocks.0.attn.q_proj`)."""
     return fnmatch.fnmatchcase(path, glob) or fnmatch.fnmatchcase(path, "*." + glob)
+
+
+def target_globs(targets: Any) -> list[str]:
+    """`targets`, a glob or a sequence of globs, as a list of globs; a `TypeError` for
+    an empty sequence or one holding anything but strings."""
+    globs = [targets] if isinstance(targets, str) else list(targets)
+    if not globs or not all(isinstance(g, str) for g in globs):
+        raise TypeError(
+            "targets must be a glob, a sequence of globs, or a predicate "
+            f"(path, linear) -> bool; got {targets!r}."
+        )
+    return globs

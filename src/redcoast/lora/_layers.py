@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._tree_paths import glob_matches, leaves_with_paths, path_str
+from .._tree_paths import glob_matches, leaves_with_paths, path_str, target_globs
 from ..nn import AbstractProjection, AbstractQuantized, AbstractTable, dense
 
 __all__ = [
@@ -177,12 +177,7 @@ def _selected(found: list[tuple[str, Any]], targets: Targets) -> list[bool]:
             for p, x in found
         ]
     else:
-        globs = [targets] if isinstance(targets, str) else list(targets)
-        if not globs or not all(isinstance(g, str) for g in globs):
-            raise TypeError(
-                "targets must be a glob, a sequence of globs, or a predicate "
-                f"(path, linear) -> bool; got {targets!r}."
-            )
+        globs = target_globs(targets)
         again = [p for p, _ in adapted if any(glob_matches(p, g) for g in globs)]
         if again:
             raise _already_adapted(again, "rc.lora.apply")

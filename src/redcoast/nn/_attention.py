@@ -22,7 +22,7 @@ import numpy as np
 from einops import repeat
 from jaxtyping import Array, Bool, Float, Int
 
-from .._checks import typechecked
+from .._checks import check_choice, typechecked
 from ..parallel import _active
 from . import _blockwise, _kernels
 from ._options import Options
@@ -51,11 +51,7 @@ def check_implementation(implementation: object) -> Implementation:
         >>> check_implementation("blockwise")
         'blockwise'
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"attention: implementation={implementation!r} is not one of {IMPLEMENTATIONS}."
-        )
-    return implementation  # type: ignore[return-value]
+    return check_choice("implementation", implementation, IMPLEMENTATIONS)
 
 
 LONG = 1024 * 1024

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,8 @@ State = tuple[Array, Array, Array]
 
 _Acc = tuple[Array, Array, Array, Array | None]
 """The backward pass's accumulators in a query block's loop: dq, dk, dv, dbias."""
+
+_C = TypeVar("_C")
 
 
 def default_block(n: int, largest: int = DEFAULT_BLOCK) -> int:
@@ -282,6 +285,98 @@ def _rows(x: Array | None, i: Any, size: int, axis: int) -> Array | None:
     return None if x is None else _block(x, i, size, axis)
 
 
+class _Grid(NamedTuple):
+    """The query blocks against the key blocks: what `fold` and `grads` visit.
+
+    Attributes:
+        spec: block sizes and the score function.
+        queries, keys, pairwise: as `fold` takes them, defaults filled in.
+        n_q, n_kv: how many query and key blocks.
+        offset: the first query's position relative to the keys' start.
+        may: `(n_q, n_kv)`, which blocks may see each other (`_may_see`); None: all.
+    """
+
+    spec: Blocks
+    queries: Tokens
+    keys: Tokens
+    pairwise: Pairwise
+    n_q: int
+    n_kv: int
+    offset: Any
+    may: Array | None
+
+
+def _grid(
+    q: Array,
+    k: Array,
+    spec: Blocks,
+    queries: Tokens | None,
+    keys: Tokens | None,
+    pairwise: Pairwise | None,
+) -> _Grid:
+    queries, keys, pairwise = queries or Tokens(), keys or Tokens(), pairwise or Pairwise()
+    n_q, n_kv = q.shape[3] // spec.q, k.shape[1] // spec.kv
+    offset = queries.start - keys.start
+    may = _may_see(spec, queries, keys, pairwise.mask, n_q, n_kv)
+    return _Grid(spec, queries, keys, pairwise, n_q, n_kv, offset, may)
+
+
+class _QueryRows(NamedTuple):
+    """What query block `i` reads of the per-query inputs, once for all its key blocks.
+
+    Attributes:
+        first: its first query's position relative to the keys' start.
+        segment_ids: its rows of the queries' segment ids, or None.
+        mask: its rows of the explicit mask, or None.
+        bias: its rows of the bias, or None.
+    """
+
+    first: Any
+    segment_ids: Array | None
+    mask: Array | None
+    bias: Array | None
+
+
+def _query_rows(grid: _Grid, i: Any) -> _QueryRows:
+    size = grid.spec.q
+    return _QueryRows(
+        grid.offset + i * size,
+        _rows(grid.queries.segment_ids, i, size, 1),
+        _rows(grid.pairwise.mask, i, size, 1),
+        _rows(grid.pairwise.bias, i, size, 3),
+    )
+
+
+def _block_scores(
+    grid: _Grid, rows: _QueryRows, qb: Array, kb: Array, j: Any
+) -> tuple[Array, Array | None, Array | None]:
+    """A query block's scores against key block `j` (`kb`), bias added and the keys it
+    does not see at `LOWEST`; the soft cap's `tanh` (`_scores`); and which keys each
+    query sees (`_visible`)."""
+    spec = grid.spec
+    scores, tanh = _scores(qb, kb, spec)
+    if rows.bias is not None:
+        scores = scores + _block(rows.bias, j, spec.kv, 4).astype(_F32)
+    visible = _visible(spec, rows.first, j, rows.segment_ids, grid.keys, rows.mask)
+    if visible is not None:
+        scores = jnp.where(visible, scores, LOWEST)
+    return scores, tanh, visible
+
+
+def _over_key_blocks(grid: _Grid, i: Any, attend: Callable[[Any, _C], _C], init: _C) -> _C:
+    """`attend(j, carry)` from `init` over the key blocks `j` query block `i` may see:
+    the loop's bounds leave out those its position rules out (`_kv_range`), and a
+    `lax.cond` skips those `grid.may` does."""
+
+    def step(j: Any, carry: _C) -> _C:
+        if grid.may is None:
+            return attend(j, carry)
+        return lax.cond(grid.may[i, j], attend, lambda _, carry: carry, j, carry)
+
+    lo, hi = _kv_range(grid.spec, i, grid.offset, grid.n_kv)
+    return lax.fori_loop(lo, hi, step, init)
+
+
 def fold(
     state: State,
     q: Array,
@@ -305,27 +400,16 @@ def fold(
         keys: where the keys start, their segment ids and padding.
         pairwise: an explicit mask and bias over these queries and keys.
     """
-    queries, keys, pairwise = queries or Tokens(), keys or Tokens(), pairwise or Pairwise()
-    n_q, n_kv = q.shape[3] // spec.q, k.shape[1] // spec.kv
-    offset = queries.start - keys.start
-    may = _may_see(spec, queries, keys, pairwise.mask, n_q, n_kv)
+    grid = _grid(q, k, spec, queries, keys, pairwise)
 
     def query_block(_: None, xs: tuple[Any, ...]) -> tuple[None, State]:
         i, qb, st = xs
-        first = offset + i * spec.q
-        q_seg = _rows(queries.segment_ids, i, spec.q, 1)
-        mask = _rows(pairwise.mask, i, spec.q, 1)
-        bias = _rows(pairwise.bias, i, spec.q, 3)
+        rows = _query_rows(grid, i)
 
         def attend(j: Any, st: State) -> State:
             o, m, total = st
             kb, vb = _block(k, j, spec.kv, 1), _block(v, j, spec.kv, 1)
-            scores, _ = _scores(qb, kb, spec)
-            if bias is not None:
-                scores = scores + _block(bias, j, spec.kv, 4).astype(_F32)
-            visible = _visible(spec, first, j, q_seg, keys, mask)
-            if visible is not None:
-                scores = jnp.where(visible, scores, LOWEST)
+            scores, _, visible = _block_scores(grid, rows, qb, kb, j)
             m_new = jnp.maximum(m, scores.max(-1))
             p = jnp.exp(scores - m_new[..., None])
             if visible is not None:  # a query that has seen nothing yet adds nothing
@@ -336,16 +420,10 @@ def fold(
             )
             return o * rescale[..., None] + values, m_new, total * rescale + p.sum(-1)
 
-        def step(j: Any, st: State) -> State:
-            if may is None:
-                return attend(j, st)
-            return lax.cond(may[i, j], attend, lambda _, st: st, j, st)
-
-        lo, hi = _kv_range(spec, i, offset, n_kv)
-        return None, lax.fori_loop(lo, hi, step, st)
+        return None, _over_key_blocks(grid, i, attend, st)
 
     blocked = tuple(_q_blocks(x, spec.q) for x in (q, *state))
-    _, new = lax.scan(query_block, None, (jnp.arange(n_q), blocked[0], blocked[1:]))
+    _, new = lax.scan(query_block, None, (jnp.arange(grid.n_q), blocked[0], blocked[1:]))
     o, m, total = (_q_unblocked(x) for x in new)
     return o, m, total
 
@@ -374,11 +452,7 @@ def grads(
         `dq` shaped as `q`, `dk` and `dv` as `k`, and the bias's gradient (shaped as
         `pairwise.bias`) or None.
     """
-    queries, keys, pairwise = queries or Tokens(), keys or Tokens(), pairwise or Pairwise()
-    n_q, n_kv = q.shape[3] // spec.q, k.shape[1] // spec.kv
-    offset = queries.start - keys.start
-    may = _may_see(spec, queries, keys, pairwise.mask, n_q, n_kv)
-    bias_in = pairwise.bias
+    grid = _grid(q, k, spec, queries, keys, pairwise)
     dk0 = full_like(q, k.shape, 0.0)
     dv0 = full_like(q, v.shape, 0.0)
 
@@ -386,21 +460,13 @@ def grads(
         carry: tuple[Array, Array], xs: tuple[Any, ...]
     ) -> tuple[tuple[Array, Array], tuple[Array, Array | None]]:
         i, qb, dob, lseb, deltab = xs
-        first = offset + i * spec.q
-        q_seg = _rows(queries.segment_ids, i, spec.q, 1)
-        mask = _rows(pairwise.mask, i, spec.q, 1)
-        bias = _rows(bias_in, i, spec.q, 3)
-        dbias0 = None if bias is None else full_like(qb, bias.shape, 0.0)
+        rows = _query_rows(grid, i)
+        dbias0 = None if rows.bias is None else full_like(qb, rows.bias.shape, 0.0)
 
         def attend(j: Any, acc: _Acc) -> _Acc:
             dq, dk, dv, dbias = acc
             kb, vb = _block(k, j, spec.kv, 1), _block(v, j, spec.kv, 1)
-            scores, tanh = _scores(qb, kb, spec)
-            if bias is not None:
-                scores = scores + _block(bias, j, spec.kv, 4).astype(_F32)
-            visible = _visible(spec, first, j, q_seg, keys, mask)
-            if visible is not None:
-                scores = jnp.where(visible, scores, LOWEST)
+            scores, tanh, _ = _block_scores(grid, rows, qb, kb, j)
             # Zero wherever the query does not see the key (or saw none: lse is +inf),
             # so the masked scores pass no gradient, as through the einsum's `where`.
             p = jnp.exp(scores - lseb[..., None])
@@ -418,17 +484,11 @@ def grads(
             dv_j = jnp.einsum("bkgts,bkgtd->bskd", p, dob)
             return dq, _add_block(dk, dk_j, j, spec.kv), _add_block(dv, dv_j, j, spec.kv), dbias
 
-        def step(j: Any, acc: _Acc) -> _Acc:
-            if may is None:
-                return attend(j, acc)
-            return lax.cond(may[i, j], attend, lambda _, acc: acc, j, acc)
-
-        lo, hi = _kv_range(spec, i, offset, n_kv)
         dq0 = full_like(qb, qb.shape, 0.0)
-        dq, dk, dv, dbias = lax.fori_loop(lo, hi, step, (dq0, *carry, dbias0))
+        dq, dk, dv, dbias = _over_key_blocks(grid, i, attend, (dq0, *carry, dbias0))
         return (dk, dv), (dq * spec.scale, dbias)
 
-    xs = (jnp.arange(n_q), *(_q_blocks(x, spec.q) for x in (q, do, lse, delta)))
+    xs = (jnp.arange(grid.n_q), *(_q_blocks(x, spec.q) for x in (q, do, lse, delta)))
     (dk, dv), (dq, dbias) = lax.scan(query_block, (dk0, dv0), xs)
     if dbias is not None:  # (n b k g q s) -> the bias's (b k g t s)
         dbias = _q_unblocked(dbias)

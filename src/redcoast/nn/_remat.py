@@ -24,6 +24,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array
 
+from .._checks import check_choice
+
 RematPolicy = Literal["none", "dots", "full", "attention"]
 """What a rematerialised function keeps for the backward pass (see the module docstring)."""
 REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "full", "attention")
@@ -51,13 +53,13 @@ def check_remat(policy: object) -> RematPolicy:
         >>> check_remat("dots")
         'dots'
     """
-    if policy not in REMAT_POLICIES:
-        raise ValueError(
-            f"remat must be one of {', '.join(map(repr, REMAT_POLICIES))}; got {policy!r}. "
-            "'full' recomputes each block in the backward pass, 'dots' keeps its matmul "
-            "outputs, 'attention' all but attention's scores, 'none' keeps everything."
-        )
-    return policy  # type: ignore[return-value]
+    return check_choice(
+        "remat",
+        policy,
+        REMAT_POLICIES,
+        "'full' recomputes each block in the backward pass, 'dots' keeps its matmul "
+        "outputs, 'attention' all but attention's scores, 'none' keeps everything.",
+    )
 
 
 def remat(fn: _F, policy: str) -> _F:

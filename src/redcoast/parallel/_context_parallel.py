@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PyTree
 
+from .._checks import check_choice
 from ..nn._blockwise import default_block
 from ._ring import STRATEGIES, context_parallel_attention
 from .mesh import DATA
@@ -74,8 +75,7 @@ class ContextParallel:
                 f"axis={self.axis!r} is not an axis of this mesh, whose axes are "
                 f"{dict(self.mesh.shape)}; pass one of {list(self.mesh.axis_names)}."
             )
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}.")
+        check_choice("strategy", self.strategy, STRATEGIES)
 
     @property
     def size(self) -> int:

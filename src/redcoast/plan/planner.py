@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
+from .._checks import check_choice
 from .._units import fmt_bytes as fmt_bytes
 from .._units import parse_bytes as parse_bytes
 from ..nn._kernels import planned_for
@@ -435,8 +436,7 @@ def memory_plan(
         model = PlannedModel.of_factory(model)
     job = _Job(model, lora, hardware)
     _check_layout(layout, model, compiles_here=hardware.kind != "tpu")
-    if rank_by not in RANKINGS:
-        raise ValueError(f"rank_by must be one of {list(RANKINGS)}, got {rank_by!r}.")
+    check_choice("rank_by", rank_by, RANKINGS)
     if rank_by != "memory" and not search:
         raise ValueError(
             f"rank_by={rank_by!r} ranks the layouts a search tries: pass search=True "

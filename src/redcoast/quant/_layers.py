@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PyTree
 
-from .._tree_paths import glob_matches, path_str
+from .._tree_paths import glob_matches, path_str, target_globs
 from ..nn import AbstractProjection, AbstractQuantized, AbstractTable
 from ..nn._remat import PROJECTION
 from . import _formats
@@ -348,12 +348,7 @@ def _chosen(found: list[tuple[str, Any]], targets: QuantTargets) -> list[bool]:
     if callable(targets):
         chosen = [isinstance(x, eqx.nn.Linear) and bool(targets(p, x)) for p, x in found]
     else:
-        globs = [targets] if isinstance(targets, str) else list(targets)
-        if not globs or not all(isinstance(g, str) for g in globs):
-            raise TypeError(
-                "targets must be a glob, a sequence of globs, or a predicate "
-                f"(path, linear) -> bool; got {targets!r}."
-            )
+        globs = target_globs(targets)
 
         def hit(p: str) -> bool:
             return any(glob_matches(p, g) for g in globs)

@@ -17,7 +17,7 @@ from typing import Any, cast, overload
 import numpy as np
 
 from ._instructions import build_records, chat_ids
-from ._rows import PaddedRows, padded
+from ._rows import PaddedRows, padded, row_index, slice_span
 from ._sources import Source, describe_keys
 from ._token_file import TokenFile
 from ._tokenizer import Tokenizer, load_tokenizer
@@ -160,14 +160,9 @@ class PairedRows(Sequence[dict[str, np.ndarray]]):
     def __getitem__(self, i: slice) -> PairedRows: ...
     def __getitem__(self, i: int | slice) -> dict[str, np.ndarray] | PairedRows:
         if isinstance(i, slice):
-            a, b, step = i.indices(len(self))
-            if step != 1:
-                raise ValueError("rows can be sliced with step 1 only.")
-            return PairedRows(cast(PaddedRows, self.documents[2 * a : 2 * max(a, b)]))
-        i = int(i)
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"row {i} of {len(self)}")
-        i %= len(self)
+            a, b = slice_span(i, len(self))
+            return PairedRows(cast(PaddedRows, self.documents[2 * a : 2 * b]))
+        i = row_index(i, len(self))
         chosen, rejected = self.documents[2 * i], self.documents[2 * i + 1]
         return {
             "chosen_ids": chosen["input_ids"],

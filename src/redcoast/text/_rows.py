@@ -60,6 +60,22 @@ def _check_seq_len(seq_len: Any) -> int:
     return int(seq_len)
 
 
+def slice_span(s: slice, n: int) -> tuple[int, int]:
+    """Where the slice `s` of `n` rows starts and stops; a `ValueError` for a step other than 1."""
+    a, b, step = s.indices(n)
+    if step != 1:
+        raise ValueError("rows can be sliced with step 1 only.")
+    return a, max(a, b)
+
+
+def row_index(i: int, n: int) -> int:
+    """Row `i` of `n`, counted from 0 (negative from the end); an `IndexError` past either end."""
+    i = int(i)
+    if not -n <= i < n:
+        raise IndexError(f"row {i} of {n}")
+    return i % n
+
+
 class _Rows(Sequence[dict[str, np.ndarray]]):
     """Rows `[start, stop)` of a token file; slicing gives another view, never a copy.
 
@@ -82,16 +98,11 @@ class _Rows(Sequence[dict[str, np.ndarray]]):
     def __getitem__(self, i: slice) -> _Rows: ...
     def __getitem__(self, i: int | slice) -> dict[str, np.ndarray] | _Rows:
         if isinstance(i, slice):
-            a, b, step = i.indices(len(self))
-            if step != 1:
-                raise ValueError("rows can be sliced with step 1 only.")
+            a, b = slice_span(i, len(self))
             new = object.__new__(type(self))
-            new.__dict__.update(self.__dict__, start=self.start + a, stop=self.start + max(a, b))
+            new.__dict__.update(self.__dict__, start=self.start + a, stop=self.start + b)
             return new
-        i = int(i)
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"row {i} of {len(self)}")
-        return self._row(self.start + (i % len(self)))
+        return self._row(self.start + row_index(i, len(self)))
 
     def _row(self, i: int) -> dict[str, np.ndarray]:
         raise NotImplementedError

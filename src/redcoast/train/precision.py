@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
+from .._checks import check_choice
 from ..nn import AbstractQuantized
 
 Precision = Literal["fp32", "bf16", "pure-bf16"]
@@ -51,13 +52,13 @@ def check_precision(precision: object) -> Precision:
         >>> check_precision("bf16")
         'bf16'
     """
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"precision must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}. "
-            "'bf16' keeps float32 parameters and computes in bfloat16, 'pure-bf16' also "
-            "stores parameters and optimizer state in bfloat16."
-        )
-    return precision  # type: ignore[return-value]
+    return check_choice(
+        "precision",
+        precision,
+        PRECISIONS,
+        "'bf16' keeps float32 parameters and computes in bfloat16, 'pure-bf16' also "
+        "stores parameters and optimizer state in bfloat16.",
+    )
 
 
 def param_dtype(precision: str) -> Any:
