@@ -86,12 +86,7 @@ class BARTConfig(hf.HFConfig):
 class BART(AbstractSeq2SeqLM):
     """BART as an Equinox module, called on one source and one target sequence of token ids.
 
-    Args:
-        config: the hyperparameters.
-        scan_layers: stack each stack's layers and run them with `lax.scan`.
-        remat: rematerialise each layer in the backward pass: `"none"`, `"dots"`,
-            `"attention"` or `"full"` (see `rc.remat`).
-        key: for the random initialisation.
+    Constructed as every `AbstractSeq2SeqLM` is, from its config.
 
     Example:
         >>> model = BART(config, key=jax.random.key(0))

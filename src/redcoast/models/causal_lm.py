@@ -32,6 +32,14 @@ Cache = tuple[KVCache, ...] | KVCache
 """One `KVCache` per layer, or one stacked `KVCache` for scanned layers."""
 
 
+class Build(NamedTuple):
+    """How the constructor's caller asked for the layers (`AbstractCausalLM.__init__`)."""
+
+    scan_layers: bool
+    remat: str
+    attention: Implementation
+
+
 class Parts(NamedTuple):
     """What an architecture builds from its config (`AbstractCausalLM.build`)."""
 
@@ -106,23 +114,14 @@ class AbstractCausalLM(hf.HFModel):
         """
         self.config = config
         self.remat = check_remat(remat)
-        parts = self.build(
-            config, scan_layers=scan_layers, remat=remat, attention=attention, key=key
-        )
+        parts = self.build(config, Build(scan_layers, remat, attention), key)
         self.embed_tokens, self.embed_positions, self.blocks, self.norm, self.lm_head = parts
 
     @classmethod
     @abc.abstractmethod
-    def build(
-        cls,
-        config: Any,
-        *,
-        scan_layers: bool,
-        remat: str,
-        attention: Implementation,
-        key: PRNGKeyArray,
-    ) -> Parts:
-        """The architecture's arrays for `config`, drawn from `key` (see `__init__`)."""
+    def build(cls, config: Any, how: Build, key: PRNGKeyArray) -> Parts:
+        """The architecture's arrays for `config`, its layers built `how` the constructor
+        was asked, drawn from `key` (see `__init__`)."""
 
     @classmethod
     @abc.abstractmethod

@@ -40,7 +40,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..nn import Implementation
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Parts
+from .causal_lm import AbstractCausalLM, Build, Parts
 from .init import normal_init, token_embeddings, vocab_head
 from .layers import (
     AnyNorm,
@@ -400,25 +400,17 @@ class Decoder(AbstractCausalLM):
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     @classmethod
-    def build(
-        cls,
-        config: DecoderConfig,
-        *,
-        scan_layers: bool,
-        remat: str,
-        attention: Implementation,
-        key: PRNGKeyArray,
-    ) -> Parts:
+    def build(cls, config: DecoderConfig, how: Build, key: PRNGKeyArray) -> Parts:
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         std = c.initializer_range
-        block = functools.partial(_block, c, remat=remat, attention=attention)
+        block = functools.partial(_block, c, remat=how.remat, attention=how.attention)
         return Parts(
             embed_tokens=token_embeddings(
                 c, c.hidden_size, std, key=kt, padding_idx=c.get_extra("pad_token_id")
             ),
             embed_positions=None,
-            blocks=make_stack(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb),
+            blocks=make_stack(block, c.num_hidden_layers, scan_layers=how.scan_layers, key=kb),
             norm=_norm(c, c.hidden_size),
             lm_head=vocab_head(c, c.hidden_size, std, key=kh),
         )

@@ -8,10 +8,9 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import Implementation
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Parts
+from .causal_lm import AbstractCausalLM, Build, Parts
 from .init import normal_init, token_embeddings
 from .layers import MLP, Attention, DecoderBlock, activation
 from .seq2seq import DecoderLayer, Seq2SeqAttention
@@ -94,15 +93,7 @@ class GPT2(AbstractCausalLM):
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     @classmethod
-    def build(
-        cls,
-        config: GPT2Config,
-        *,
-        scan_layers: bool,
-        remat: str,
-        attention: Implementation,
-        key: PRNGKeyArray,
-    ) -> Parts:
+    def build(cls, config: GPT2Config, how: Build, key: PRNGKeyArray) -> Parts:
         if config.add_cross_attention:
             raise ValueError(
                 "GPT2Config(add_cross_attention=True) describes the decoder of an "
@@ -122,8 +113,8 @@ class GPT2(AbstractCausalLM):
                 c.n_head,
                 qkv_bias=True,
                 out_bias=True,
-                recompute_scores=remat == "attention",
-                implementation=attention,
+                recompute_scores=how.remat == "attention",
+                implementation=how.attention,
                 key=ka,
             )
             mlp = MLP(
@@ -148,7 +139,7 @@ class GPT2(AbstractCausalLM):
         return Parts(
             embed_tokens=token_embeddings(c, c.n_embd, std, key=kt),
             embed_positions=normal_init(positions, std, key=kp),
-            blocks=make_stack(block, c.n_layer, scan_layers=scan_layers, key=kb),
+            blocks=make_stack(block, c.n_layer, scan_layers=how.scan_layers, key=kb),
             norm=eqx.nn.LayerNorm(c.n_embd, eps=eps),
             lm_head=None,
         )

@@ -7,10 +7,9 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import Implementation
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Parts
+from .causal_lm import AbstractCausalLM, Build, Parts
 from .gpt2 import GPTConfig
 from .init import normal_init, token_embeddings, vocab_head
 from .layers import MLP, Attention, DecoderBlock, activation
@@ -67,15 +66,7 @@ class GPTJ(AbstractCausalLM):
     hf_base_prefix: ClassVar[str] = "transformer."
 
     @classmethod
-    def build(
-        cls,
-        config: GPTJConfig,
-        *,
-        scan_layers: bool,
-        remat: str,
-        attention: Implementation,
-        key: PRNGKeyArray,
-    ) -> Parts:
+    def build(cls, config: GPTJConfig, how: Build, key: PRNGKeyArray) -> Parts:
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         eps = c.layer_norm_epsilon
@@ -90,8 +81,8 @@ class GPTJ(AbstractCausalLM):
                     c.n_head,
                     rotary_dim=c.rotary_dim or c.n_embd // c.n_head,
                     rope_interleaved=True,
-                    recompute_scores=remat == "attention",
-                    implementation=attention,
+                    recompute_scores=how.remat == "attention",
+                    implementation=how.attention,
                     key=ka,
                 ),
                 None,
@@ -107,7 +98,7 @@ class GPTJ(AbstractCausalLM):
         return Parts(
             embed_tokens=token_embeddings(c, c.n_embd, std, key=kt),
             embed_positions=None,
-            blocks=make_stack(block, c.n_layer, scan_layers=scan_layers, key=kb),
+            blocks=make_stack(block, c.n_layer, scan_layers=how.scan_layers, key=kb),
             norm=eqx.nn.LayerNorm(c.n_embd, eps=eps),
             lm_head=vocab_head(c, c.n_embd, std, key=kh, use_bias=True),
         )
@@ -116,20 +107,21 @@ class GPTJ(AbstractCausalLM):
     def hf_tensors(cls, config: GPTJConfig) -> list[hf.TensorMap]:
         """GPT-J's checkpoint names; PyTorch Linears are `(out, in)` like Equinox's."""
         h = "transformer.h.{i}."
-        return [
+        maps = [
             hf.vocab_rows("transformer.wte.weight", "embed_tokens.weight", config),
-            hf.same(h + "ln_1.weight", "attn_norm.weight"),
-            hf.same(h + "ln_1.bias", "attn_norm.bias"),
-            hf.same(h + "attn.q_proj.weight", "attn.q_proj.weight"),
-            hf.same(h + "attn.k_proj.weight", "attn.k_proj.weight"),
-            hf.same(h + "attn.v_proj.weight", "attn.v_proj.weight"),
-            hf.same(h + "attn.out_proj.weight", "attn.o_proj.weight"),
-            hf.same(h + "mlp.fc_in.weight", "mlp.fc_in.weight"),
-            hf.same(h + "mlp.fc_in.bias", "mlp.fc_in.bias"),
-            hf.same(h + "mlp.fc_out.weight", "mlp.fc_out.weight"),
-            hf.same(h + "mlp.fc_out.bias", "mlp.fc_out.bias"),
             hf.same("transformer.ln_f.weight", "norm.weight"),
             hf.same("transformer.ln_f.bias", "norm.bias"),
             hf.vocab_rows("lm_head.weight", "lm_head.weight", config),
             hf.vocab_rows("lm_head.bias", "lm_head.bias", config),
         ]
+        for theirs, ours, kinds in [
+            ("ln_1", "attn_norm", ("weight", "bias")),
+            ("attn.q_proj", "attn.q_proj", ("weight",)),
+            ("attn.k_proj", "attn.k_proj", ("weight",)),
+            ("attn.v_proj", "attn.v_proj", ("weight",)),
+            ("attn.out_proj", "attn.o_proj", ("weight",)),
+            ("mlp.fc_in", "mlp.fc_in", ("weight", "bias")),
+            ("mlp.fc_out", "mlp.fc_out", ("weight", "bias")),
+        ]:
+            maps.extend(hf.same(f"{h}{theirs}.{kind}", f"{ours}.{kind}") for kind in kinds)
+        return maps

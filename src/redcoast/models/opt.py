@@ -7,10 +7,9 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ..nn import Implementation
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Parts
+from .causal_lm import AbstractCausalLM, Build, Parts
 from .init import normal_init, token_embeddings, vocab_head
 from .layers import MLP, Attention, DecoderBlock, activation
 
@@ -90,15 +89,7 @@ class OPT(AbstractCausalLM):
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     @classmethod
-    def build(
-        cls,
-        config: OPTConfig,
-        *,
-        scan_layers: bool,
-        remat: str,
-        attention: Implementation,
-        key: PRNGKeyArray,
-    ) -> Parts:
+    def build(cls, config: OPTConfig, how: Build, key: PRNGKeyArray) -> Parts:
         c = config
         kt, kp, kh, kb = jax.random.split(key, 4)
         std = c.init_std
@@ -113,8 +104,8 @@ class OPT(AbstractCausalLM):
                     c.num_attention_heads,
                     qkv_bias=bias,
                     out_bias=bias,
-                    recompute_scores=remat == "attention",
-                    implementation=attention,
+                    recompute_scores=how.remat == "attention",
+                    implementation=how.attention,
                     key=ka,
                 ),
                 eqx.nn.LayerNorm(c.hidden_size),
@@ -136,7 +127,7 @@ class OPT(AbstractCausalLM):
                 c, c.hidden_size, std, key=kt, padding_idx=c.get_extra("pad_token_id", 1)
             ),
             embed_positions=normal_init(positions, std, key=kp),
-            blocks=make_stack(block, c.num_hidden_layers, scan_layers=scan_layers, key=kb),
+            blocks=make_stack(block, c.num_hidden_layers, scan_layers=how.scan_layers, key=kb),
             norm=eqx.nn.LayerNorm(c.hidden_size),
             lm_head=vocab_head(c, c.hidden_size, std, key=kh),
         )

@@ -68,36 +68,28 @@ _LLAMA_3 = LlamaConfig(
     rope_theta=500000.0,
     rope_scaling=_llama3(8.0),
 )
-"""Llama 3.1 8B; the Llama 3.2 models differ in sizes, RoPE factor and tied head."""
+"""Llama 3.1 8B."""
+
+
+def _llama32(hidden: int, layers: int, heads: int, head_dim: int) -> LlamaConfig:
+    """A Llama 3.2 model: Llama 3.1's with other sizes, RoPE factor 32 and a tied head."""
+    return dataclasses.replace(
+        _LLAMA_3,
+        hidden_size=hidden,
+        intermediate_size=8192,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        rope_scaling=_llama3(32.0),
+        tie_word_embeddings=True,
+    )
+
 
 # The hub's config.json of each, sizes and RoPE (token ids aside).
 _TODAY: dict[str, tuple[type[Any], HFConfig]] = {
     "llama-3.1-8b": (Llama, _LLAMA_3),
-    "llama-3.2-1b": (
-        Llama,
-        dataclasses.replace(
-            _LLAMA_3,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            head_dim=64,
-            rope_scaling=_llama3(32.0),
-            tie_word_embeddings=True,
-        ),
-    ),
-    "llama-3.2-3b": (
-        Llama,
-        dataclasses.replace(
-            _LLAMA_3,
-            hidden_size=3072,
-            intermediate_size=8192,
-            num_hidden_layers=28,
-            num_attention_heads=24,
-            head_dim=128,
-            rope_scaling=_llama3(32.0),
-            tie_word_embeddings=True,
-        ),
-    ),
+    "llama-3.2-1b": (Llama, _llama32(2048, 16, 32, 64)),
+    "llama-3.2-3b": (Llama, _llama32(3072, 28, 24, 128)),
     "qwen2.5-7b": (
         Qwen2,
         Qwen2Config(

@@ -227,6 +227,10 @@ class AbstractSeq2SeqLM(hf.HFModel):
     `encode` runs once, `cross_cache` computes every layer's cross-attention keys and
     values once, and `decode` feeds new target tokens through a key/value cache.
     Concrete models: `T5`, `BART`, and `VisionEncoderDecoder`, whose source is an image.
+    Each is constructed with `(config, *, scan_layers=False, remat="none", key)`:
+    `scan_layers` stacks each stack's layers and runs them with `lax.scan`, `remat`
+    rematerialises each layer in the backward pass (`"none"`, `"dots"`, `"attention"`
+    or `"full"`; see `rc.remat`), `key` draws the initialisation.
 
     Under FSDP each weight is gathered where it is used, as in the decoders
     (`redcoast.fsdp`): the layers' by `run_stack`, one layer at a time, and

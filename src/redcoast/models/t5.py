@@ -127,12 +127,7 @@ def relative_position_bucket(
 class T5(AbstractSeq2SeqLM):
     """T5 as an Equinox module, called on one source and one target sequence of token ids.
 
-    Args:
-        config: the hyperparameters.
-        scan_layers: stack each stack's layers and run them with `lax.scan`.
-        remat: rematerialise each layer in the backward pass: `"none"`, `"dots"`,
-            `"attention"` or `"full"` (see `rc.remat`).
-        key: for the random initialisation.
+    Constructed as every `AbstractSeq2SeqLM` is, from its config.
 
     Example:
         >>> config = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2,

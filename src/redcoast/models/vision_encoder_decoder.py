@@ -109,11 +109,7 @@ class VisionEncoderDecoder(AbstractSeq2SeqLM):
     """A ViT encoder and a GPT-2 decoder with cross-attention, called on one image and
     one caption: `transformers`' `VisionEncoderDecoderModel`.
 
-    Args:
-        config: the hyperparameters.
-        scan_layers: stack each stack's layers and run them with `lax.scan`.
-        remat: rematerialise each layer in the backward pass (see `rc.remat`).
-        key: for the initialisation.
+    Constructed as every `AbstractSeq2SeqLM` is, from its config.
 
     Example:
         >>> model = VisionEncoderDecoder(config, key=jax.random.key(0))

@@ -36,21 +36,8 @@ IMPLEMENTATIONS: tuple[str, ...] = ("auto", "einsum", "blockwise", "cudnn", "pal
 
 
 def check_implementation(implementation: object) -> Implementation:
-    """`implementation` itself if `attention` knows it, else a ValueError listing them.
-
-    Args:
-        implementation: the value given for `implementation`.
-
-    Returns:
-        The implementation.
-
-    Raises:
-        ValueError: `implementation` is not one of `IMPLEMENTATIONS`.
-
-    Example:
-        >>> check_implementation("blockwise")
-        'blockwise'
-    """
+    """`implementation` itself if it is one of `IMPLEMENTATIONS`, else a `ValueError`
+    listing them: `check_implementation("blockwise")` is `"blockwise"`."""
     return check_choice("implementation", implementation, IMPLEMENTATIONS)
 
 

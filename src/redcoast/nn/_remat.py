@@ -38,21 +38,8 @@ _F = TypeVar("_F", bound=Callable[..., object])
 
 
 def check_remat(policy: object) -> RematPolicy:
-    """`policy` itself if it names a rematerialisation policy, else a ValueError listing them.
-
-    Args:
-        policy: the value given for `remat`.
-
-    Returns:
-        The policy.
-
-    Raises:
-        ValueError: `policy` is not one of `REMAT_POLICIES`.
-
-    Example:
-        >>> check_remat("dots")
-        'dots'
-    """
+    """`policy` itself if it is one of `REMAT_POLICIES`, else a `ValueError` listing them
+    and what each keeps: `check_remat("dots")` is `"dots"`."""
     return check_choice(
         "remat",
         policy,

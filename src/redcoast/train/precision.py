@@ -37,21 +37,8 @@ _COMPUTE_DTYPE = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "pure-bf16": jnp.bf
 
 
 def check_precision(precision: object) -> Precision:
-    """`precision` itself if it names a policy, else a ValueError listing them.
-
-    Args:
-        precision: the value given for `precision`.
-
-    Returns:
-        The policy.
-
-    Raises:
-        ValueError: `precision` is not `"fp32"`, `"bf16"` or `"pure-bf16"`.
-
-    Example:
-        >>> check_precision("bf16")
-        'bf16'
-    """
+    """`precision` itself if it is one of `PRECISIONS`, else a `ValueError` listing them
+    and what each does: `check_precision("bf16")` is `"bf16"`."""
     return check_choice(
         "precision",
         precision,
@@ -62,34 +49,14 @@ def check_precision(precision: object) -> Precision:
 
 
 def param_dtype(precision: str) -> Any:
-    """The dtype `precision` stores floating parameters in (and the optimizer state with them).
-
-    Args:
-        precision: a policy.
-
-    Returns:
-        `jnp.float32` or `jnp.bfloat16`.
-
-    Example:
-        >>> param_dtype("pure-bf16")
-        <class 'jax.numpy.bfloat16'>
-    """
+    """The dtype (`jnp.float32` or `jnp.bfloat16`) policy `precision` stores floating
+    parameters in, and the optimizer state with them: bfloat16 for `"pure-bf16"` only."""
     return _PARAM_DTYPE[check_precision(precision)]
 
 
 def compute_dtype(precision: str) -> Any:
-    """The dtype `precision` runs the model in.
-
-    Args:
-        precision: a policy.
-
-    Returns:
-        `jnp.float32` or `jnp.bfloat16`.
-
-    Example:
-        >>> compute_dtype("bf16")
-        <class 'jax.numpy.bfloat16'>
-    """
+    """The dtype (`jnp.float32` or `jnp.bfloat16`) policy `precision` runs the model in:
+    float32 for `"fp32"` only."""
     return _COMPUTE_DTYPE[check_precision(precision)]
 
 
