@@ -123,9 +123,8 @@ def main() -> None:
     out.parent.mkdir(exist_ok=True)
     if only is not None and out.exists():
         kept = [row for row in json.loads(out.read_text()) if row["target"] not in only]
-        order = [row[:3] for row in table]
-        key = lambda r: order.index((r["model"], r["tokens"], r["target"]))  # noqa: E731
-        rows = sorted(kept + rows, key=key)
+        order = {row[:3]: i for i, row in enumerate(table)}
+        rows = sorted(kept + rows, key=lambda r: order[(r["model"], r["tokens"], r["target"])])
     out.write_text(json.dumps(rows, indent=2, default=str) + "\n")
 
 

@@ -120,3 +120,38 @@ def test_abstract_init_with_stacked_layers_allocates_nothing(arch: str) -> None:
     leaves = jax.tree_util.tree_leaves(abstract)
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert abstract.blocks.attn.q_proj.weight.shape == (2 if arch != "gpt2" else 4, 64, 64)
+
+
+def test_an_architecture_is_its_build_the_constructor_is_shared() -> None:
+    """A decoder defined by `build` alone gets the zoo's constructor, its checks and its
+    forward pass; `build` is asked for the layers as the constructor was."""
+    asked: list[rc.models.LayerOptions] = []
+
+    class Tiny(rc.models.AbstractCausalLM):
+        config_class = rc.models.GPT2Config
+
+        @classmethod
+        def build(cls, config, how, key):
+            asked.append(how)
+            kt, ka, km = jax.random.split(key, 3)
+            block = rc.models.DecoderBlock(
+                eqx.nn.LayerNorm(32),
+                rc.models.Attention(32, 4, implementation=how.attention, key=ka),
+                eqx.nn.LayerNorm(32),
+                rc.models.MLP(32, 64, activation=jax.nn.gelu, key=km),
+            )
+            tokens = eqx.nn.Embedding(config.vocab_size, 32, key=kt)
+            return rc.models.CausalLMParts(tokens, None, (block,), eqx.nn.LayerNorm(32), None)
+
+        @classmethod
+        def hf_tensors(cls, config):
+            return []
+
+    config = rc.models.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4)
+    model = Tiny(config, remat="dots", attention="blockwise", key=jax.random.key(0))
+    assert asked == [rc.models.LayerOptions(False, "dots", "blockwise")]
+    assert model.remat == "dots" and model.config == config
+    assert model(jnp.arange(10)).shape == (10, 64)
+    with pytest.raises(ValueError, match=r"remat must be one of .*got 'some'"):
+        Tiny(config, remat="some", key=jax.random.key(0))
+    assert len(asked) == 1  # refused before anything is built

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxtyping import TypeCheckError
 
 import redcoast as rc
 from redcoast import distributed
@@ -333,3 +334,12 @@ def test_from_hf_refuses_an_option_it_does_not_know(tmp_path) -> None:
     for load in (rc.models.from_hf, rc.models.Llama.from_hf):
         with pytest.raises(TypeError, match=r"\['mseh'\].*'mesh'"):
             load(tmp_path, mseh=None)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_an_unknown_attention_implementation_is_named(arch: str) -> None:
+    cls, config = CONFIGS[arch]
+    # A user gets check_implementation's ValueError; under the tests' jaxtyping hook
+    # (pyproject's --jaxtyping-packages) the `Implementation` annotation refuses it first.
+    with pytest.raises((ValueError, TypeCheckError), match="flash"):
+        cls(config, attention="flash", key=jax.random.key(0))

@@ -15,6 +15,8 @@ from .auto import from_hf as from_hf
 from .bart import BART as BART
 from .bart import BARTConfig as BARTConfig
 from .causal_lm import AbstractCausalLM as AbstractCausalLM
+from .causal_lm import CausalLMParts as CausalLMParts
+from .causal_lm import LayerOptions as LayerOptions
 from .decoder import Decoder as Decoder
 from .decoder import DecoderConfig as DecoderConfig
 from .dit import DiT as DiT
@@ -28,6 +30,7 @@ from .gemma import Gemma3TextConfig as Gemma3TextConfig
 from .generation import generate as generate
 from .gpt2 import GPT2 as GPT2
 from .gpt2 import GPT2Config as GPT2Config
+from .gpt2 import GPTConfig as GPTConfig
 from .gptj import GPTJ as GPTJ
 from .gptj import GPTJConfig as GPTJConfig
 from .hf import HFConfig as HFConfig

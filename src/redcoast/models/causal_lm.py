@@ -32,16 +32,23 @@ Cache = tuple[KVCache, ...] | KVCache
 """One `KVCache` per layer, or one stacked `KVCache` for scanned layers."""
 
 
-class Build(NamedTuple):
-    """How the constructor's caller asked for the layers (`AbstractCausalLM.__init__`)."""
+class LayerOptions(NamedTuple):
+    """How `AbstractCausalLM.build` builds the layers, as the constructor was asked.
+
+    Attributes:
+        scan_layers: one block with stacked arrays run under `lax.scan`, not a tuple.
+        remat: each block's rematerialisation policy (already checked).
+        attention: the attention implementation (`rc.nn.attention`'s).
+    """
 
     scan_layers: bool
-    remat: str
+    remat: RematPolicy
     attention: Implementation
 
 
-class Parts(NamedTuple):
-    """What an architecture builds from its config (`AbstractCausalLM.build`)."""
+class CausalLMParts(NamedTuple):
+    """What an architecture's `AbstractCausalLM.build` returns: the model's arrays, one
+    attribute each (see `AbstractCausalLM`'s attributes)."""
 
     embed_tokens: eqx.nn.Embedding
     embed_positions: eqx.nn.Embedding | None
@@ -114,14 +121,19 @@ class AbstractCausalLM(hf.HFModel):
         """
         self.config = config
         self.remat = check_remat(remat)
-        parts = self.build(config, Build(scan_layers, remat, attention), key)
+        parts = self.build(config, LayerOptions(scan_layers, self.remat, attention), key)
         self.embed_tokens, self.embed_positions, self.blocks, self.norm, self.lm_head = parts
 
     @classmethod
     @abc.abstractmethod
-    def build(cls, config: Any, how: Build, key: PRNGKeyArray) -> Parts:
+    def build(cls, config: Any, how: LayerOptions, key: PRNGKeyArray) -> CausalLMParts:
         """The architecture's arrays for `config`, its layers built `how` the constructor
-        was asked, drawn from `key` (see `__init__`)."""
+        was asked, drawn from `key`: what a new architecture defines, with `hf_tensors`.
+
+        Example:
+            >>> GPT2.build(config, LayerOptions(False, "none", "auto"), key).lm_head is None
+            True
+        """
 
     @classmethod
     @abc.abstractmethod

@@ -40,7 +40,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..nn import Implementation
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Build, Parts
+from .causal_lm import AbstractCausalLM, CausalLMParts, LayerOptions
 from .init import normal_init, token_embeddings, vocab_head
 from .layers import (
     AnyNorm,
@@ -400,12 +400,12 @@ class Decoder(AbstractCausalLM):
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     @classmethod
-    def build(cls, config: DecoderConfig, how: Build, key: PRNGKeyArray) -> Parts:
+    def build(cls, config: DecoderConfig, how: LayerOptions, key: PRNGKeyArray) -> CausalLMParts:
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         std = c.initializer_range
         block = functools.partial(_block, c, remat=how.remat, attention=how.attention)
-        return Parts(
+        return CausalLMParts(
             embed_tokens=token_embeddings(
                 c, c.hidden_size, std, key=kt, padding_idx=c.get_extra("pad_token_id")
             ),

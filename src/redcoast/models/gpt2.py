@@ -10,7 +10,7 @@ from jaxtyping import PRNGKeyArray
 
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Build, Parts
+from .causal_lm import AbstractCausalLM, CausalLMParts, LayerOptions
 from .init import normal_init, token_embeddings
 from .layers import MLP, Attention, DecoderBlock, activation
 from .seq2seq import DecoderLayer, Seq2SeqAttention
@@ -43,6 +43,11 @@ class GPTConfig(hf.HFConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         activation(self.activation_function)
+
+    @property
+    def inner_size(self) -> int:
+        """The MLP's width: `n_inner`, or 4 x `n_embd` when config.json gives none."""
+        return self.n_inner or 4 * self.n_embd
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +98,7 @@ class GPT2(AbstractCausalLM):
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     @classmethod
-    def build(cls, config: GPT2Config, how: Build, key: PRNGKeyArray) -> Parts:
+    def build(cls, config: GPT2Config, how: LayerOptions, key: PRNGKeyArray) -> CausalLMParts:
         if config.add_cross_attention:
             raise ValueError(
                 "GPT2Config(add_cross_attention=True) describes the decoder of an "
@@ -119,7 +124,7 @@ class GPT2(AbstractCausalLM):
             )
             mlp = MLP(
                 c.n_embd,
-                c.n_inner or 4 * c.n_embd,
+                c.inner_size,
                 activation=activation(c.activation_function),
                 key=km,
             )
@@ -136,7 +141,7 @@ class GPT2(AbstractCausalLM):
             )
 
         positions = eqx.nn.Embedding(c.n_positions, c.n_embd, key=kp)
-        return Parts(
+        return CausalLMParts(
             embed_tokens=token_embeddings(c, c.n_embd, std, key=kt),
             embed_positions=normal_init(positions, std, key=kp),
             blocks=make_stack(block, c.n_layer, scan_layers=how.scan_layers, key=kb),
@@ -217,9 +222,7 @@ def cross_attention_block(config: GPT2Config, *, remat: str, key: PRNGKeyArray) 
             key=k,
         )
 
-    mlp = MLP(
-        c.n_embd, c.n_inner or 4 * c.n_embd, activation=activation(c.activation_function), key=km
-    )
+    mlp = MLP(c.n_embd, c.inner_size, activation=activation(c.activation_function), key=km)
     attn, cross, mlp = normal_init((attention(ka), attention(kc), mlp), c.initializer_range, key=kr)
     residual_std = c.initializer_range / math.sqrt(2 * c.n_layer)
     outs = normal_init((attn.o_proj, cross.o_proj, mlp.fc_out), residual_std, key=ko)

@@ -9,7 +9,7 @@ from jaxtyping import PRNGKeyArray
 
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Build, Parts
+from .causal_lm import AbstractCausalLM, CausalLMParts, LayerOptions
 from .gpt2 import GPTConfig
 from .init import normal_init, token_embeddings, vocab_head
 from .layers import MLP, Attention, DecoderBlock, activation
@@ -66,7 +66,7 @@ class GPTJ(AbstractCausalLM):
     hf_base_prefix: ClassVar[str] = "transformer."
 
     @classmethod
-    def build(cls, config: GPTJConfig, how: Build, key: PRNGKeyArray) -> Parts:
+    def build(cls, config: GPTJConfig, how: LayerOptions, key: PRNGKeyArray) -> CausalLMParts:
         c = config
         kt, kh, kb = jax.random.split(key, 3)
         eps = c.layer_norm_epsilon
@@ -88,14 +88,14 @@ class GPTJ(AbstractCausalLM):
                 None,
                 MLP(
                     c.n_embd,
-                    c.n_inner or 4 * c.n_embd,
+                    c.inner_size,
                     activation=activation(c.activation_function),
                     key=km,
                 ),
             )
             return normal_init(b, std, key=kr)
 
-        return Parts(
+        return CausalLMParts(
             embed_tokens=token_embeddings(c, c.n_embd, std, key=kt),
             embed_positions=None,
             blocks=make_stack(block, c.n_layer, scan_layers=how.scan_layers, key=kb),

@@ -9,7 +9,7 @@ from jaxtyping import PRNGKeyArray
 
 from . import hf
 from ._stack import make_stack
-from .causal_lm import AbstractCausalLM, Build, Parts
+from .causal_lm import AbstractCausalLM, CausalLMParts, LayerOptions
 from .init import normal_init, token_embeddings, vocab_head
 from .layers import MLP, Attention, DecoderBlock, activation
 
@@ -89,7 +89,7 @@ class OPT(AbstractCausalLM):
     tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     @classmethod
-    def build(cls, config: OPTConfig, how: Build, key: PRNGKeyArray) -> Parts:
+    def build(cls, config: OPTConfig, how: LayerOptions, key: PRNGKeyArray) -> CausalLMParts:
         c = config
         kt, kp, kh, kb = jax.random.split(key, 4)
         std = c.init_std
@@ -122,7 +122,7 @@ class OPT(AbstractCausalLM):
         positions = eqx.nn.Embedding(
             c.max_position_embeddings + cls.position_offset, c.hidden_size, key=kp
         )
-        return Parts(
+        return CausalLMParts(
             embed_tokens=token_embeddings(
                 c, c.hidden_size, std, key=kt, padding_idx=c.get_extra("pad_token_id", 1)
             ),

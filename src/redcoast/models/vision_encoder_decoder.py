@@ -23,7 +23,7 @@ from ..parallel import fsdp
 from . import hf
 from ._stack import Stack, make_stack
 from .gpt2 import GPT2Config, block_tensors, cross_attention_block
-from .init import normal_init, zero_unused_rows
+from .init import normal_init, token_embeddings
 from .seq2seq import AbstractSeq2SeqLM, in_stack
 from .vit import ViT, ViTConfig, check_pixels
 
@@ -149,8 +149,7 @@ class VisionEncoderDecoder(AbstractSeq2SeqLM):
         if c.encoder.hidden_size != d.n_embd:
             proj = eqx.nn.Linear(c.encoder.hidden_size, d.n_embd, key=kp)
             self.enc_to_dec_proj = normal_init(proj, std, key=kp)
-        tokens = eqx.nn.Embedding(c.padded_vocab_size, d.n_embd, key=kt)
-        self.embed_tokens = zero_unused_rows(normal_init(tokens, std, key=kt), d.vocab_size)
+        self.embed_tokens = token_embeddings(c, d.n_embd, std, key=kt)
         positions = eqx.nn.Embedding(d.n_positions, d.n_embd, key=kpos)
         self.embed_positions = normal_init(positions, std, key=kpos)
 
