@@ -39,11 +39,13 @@ from safetensors.numpy import load_file, save_file
 
 import redcoast as rc
 import redcoast.checkpoint._format as ckpt_format
+from redcoast._files import written_whole
 from redcoast.checkpoint._io import CheckpointError
 from redcoast.checkpoint._io import step_checkpoint_path as step_path
 from redcoast.cli import main as cli_main
 from redcoast.plan import planner
 from redcoast.plan.planner import parse_bytes
+from redcoast.train._resume import _restore_history
 from redcoast.train.data import order_fingerprint
 
 
@@ -972,6 +974,50 @@ def test_jsonl_lines_go_out_whole_in_one_write(tmp_path, monkeypatch):
     monkeypatch.setattr(rc_logging.os, "write", lambda fd, data: real(fd, data[:10]))
     with pytest.raises(OSError, match=r"wrote 10 of \d+ bytes.*m\.jsonl"):
         log({"loss": 1.0}, 8)
+
+
+def test_rewriting_metrics_jsonl_on_resume_leaves_no_temporary_file(tmp_path, monkeypatch):
+    log = tmp_path / "metrics.jsonl"
+    torn = '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n{"step": 3'
+    log.write_text(torn)
+    (tmp_path / "metrics.jsonl.tmp").write_text("a user's file")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with (
+        pytest.warns(UserWarning, match="line 3 is not complete JSON"),
+        pytest.raises(OSError, match=rf"No space left on device: '{re.escape(str(log))}'"),
+    ):
+        _restore_history(str(log), 2, lead=True)
+    monkeypatch.undo()
+    assert log.read_text() == torn
+    with pytest.warns(UserWarning, match="line 3 is not complete JSON"):
+        assert len(_restore_history(str(log), 1, lead=True)["train"]) == 1
+    assert log.read_text() == '{"step": 1, "loss": 1.0}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "metrics.jsonl.tmp"]
+    assert (tmp_path / "metrics.jsonl.tmp").read_text() == "a user's file"
+
+
+def test_a_file_written_whole_leaves_nothing_behind_on_any_error(tmp_path):
+    path = tmp_path / "out.json"
+    with written_whole(path, "w") as f:
+        f.write("first")
+    with pytest.raises(RuntimeError, match="stopped"), written_whole(path, "w") as f:
+        f.write("half")
+        raise RuntimeError("stopped")
+    full = rf"No space left on device: '{re.escape(str(path))}'"
+    with pytest.raises(OSError, match=full), written_whole(path, "w"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert path.read_text() == "first"
+    # A user's folder where the file would go: the rename fails, the folder stays as it was.
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("mine")
+    with pytest.raises(IsADirectoryError), written_whole(folder, "w") as f:
+        f.write("new")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["mine.txt", "out.json", "results"]
 
 
 def test_aux_metrics_named_like_the_loops_own_are_refused_with_the_list():

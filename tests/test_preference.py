@@ -5,8 +5,11 @@ The parity tests run TRL's own trainers (1.16: `DPOTrainer`, and `CPOTrainer` an
 saved and `rc.models.from_hf` loaded, on the very token ids `rc.text.paired` made.
 """
 
+import errno
 import functools
 import json
+import os
+import re
 from pydoc_data.topics import topics
 
 import chex
@@ -443,6 +446,62 @@ def test_the_precomputed_reference_equals_the_live_one(rows, llama, tmp_path):
         eqx.filter(pre_g, eqx.is_array), eqx.filter(live_g, eqx.is_array), rtol=1e-4, atol=1e-6
     )
     assert abs(float(live_m["rewards/margins"])) > 1e-3
+
+
+def _precompute(rows, path, **kw):
+    # The model is never called: the tests below replace or stop the pass.
+    return rc.preference.precompute_reference(lambda ids: ids, rows, path, **kw)
+
+
+def test_a_reference_path_that_cannot_be_written_is_refused_before_the_pass(
+    rows, tmp_path, monkeypatch
+):
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the reference pass ran")
+
+    monkeypatch.setattr(rc.preference, "predict", no_pass)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "notes.md").write_text("mine")
+    (tmp_path / "data").write_text("a file")
+    with pytest.raises(
+        ValueError,
+        match=rf"precompute_reference: path {re.escape(str(folder))} is a folder; pass the "
+        "path of the file to write",
+    ):
+        _precompute(rows, folder, per_device_batch_size=1)
+    with pytest.raises(ValueError, match=r"data is a file, not a folder\. Pass a path in a"):
+        _precompute(rows, tmp_path / "data" / "ref" / "pairs.npy", per_device_batch_size=1)
+    with monkeypatch.context() as m:
+        m.setattr(os, "access", lambda *args, **kwargs: False)  # root may write anywhere
+        with pytest.raises(ValueError, match=r"no permission to write in .*cache\. Pass a path"):
+            _precompute(rows, folder / "ref.npy", per_device_batch_size=1)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "cache",
+        "cache/notes.md",
+        "data",
+    ]
+
+
+def test_a_failed_reference_write_leaves_the_previous_file_and_no_temporary(
+    rows, tmp_path, monkeypatch
+):
+    logps = [{"chosen": np.float32(-i), "rejected": np.float32(-2 * i)} for i in range(len(rows))]
+    monkeypatch.setattr(rc.preference, "predict", lambda *args, **kwargs: logps)
+    path = tmp_path / "new" / "ref.npy"  # its folder is made
+    referenced = _precompute(rows, path, per_device_batch_size=1)
+    assert referenced[3]["ref_rejected_logp"] == -6.0
+    written = path.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=rf"No space left on device: '{re.escape(str(path))}'"):
+        _precompute(rows, path, per_device_batch_size=1)
+    monkeypatch.undo()
+    assert [p.name for p in path.parent.iterdir()] == ["ref.npy"]
+    assert path.read_bytes() == written
 
 
 # ----------------------------------------------------------------------------- sharded, resumed

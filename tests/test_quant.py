@@ -1,5 +1,6 @@
 """A quantized frozen base: NF4 (QLoRA) and int8 Linears, under LoRA, sharded and resumed."""
 
+import functools
 import re
 
 import chex
@@ -13,6 +14,7 @@ from scipy.stats import norm
 
 import redcoast as rc
 from redcoast.checkpoint._io import checkpoint_state
+from redcoast.quant._formats import quantize_blockwise
 
 # Dettmers et al. 2023 (QLoRA), Appendix E: the NF4 data type's 16 values.
 PAPER_NF4 = [
@@ -100,20 +102,57 @@ def test_nf4_layout_equals_the_reference():
     np.testing.assert_allclose(layer.offset, offset, rtol=1e-6)
 
 
+def _pytorch_kernel(torch, op):
+    """bitsandbytes' pure-PyTorch kernel of `op` (its `default` backend, registered as
+    CompositeExplicitAutograd), called past the C kernel the `cpu` backend registers."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    return functools.partial(op.default.redispatch, keys)
+
+
 def test_nf4_equals_bitsandbytes():
     torch = pytest.importorskip("torch")
     functional = pytest.importorskip("bitsandbytes.functional")
-    w = _linear(1024, 24, std=0.02).weight
-    q, state = functional.quantize_4bit(
-        torch.from_numpy(np.array(w)), blocksize=64, compress_statistics=True, quant_type="nf4"
-    )
-    layer = rc.quant.quantized(_linear(1024, 24, std=0.02), "nf4")
+    ops = torch.ops.bitsandbytes
+    # On CPU, quantize_4bit runs the PyTorch kernel (there is no other); its nested
+    # quantize_blockwise runs a C kernel.
+    cpu = torch._C.DispatchKey.CPU
+    assert not ops.quantize_4bit.default.has_kernel_for_dispatch_key(cpu)
+    assert ops.quantize_blockwise.default.has_kernel_for_dispatch_key(cpu)
+    code = functional.create_dynamic_map()
+    np.testing.assert_array_equal(rc.quant.DYNAMIC_CODE, code.numpy())
+    # 8192 absmaxes in 32 second-level blocks: enough to see the C kernel's rate.
+    linear = _linear(4096, 128, std=0.02)
+    w = torch.from_numpy(np.array(linear.weight))
+    q, state = functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    layer = rc.quant.quantized(linear, "nf4")
     np.testing.assert_array_equal(np.asarray(layer.codes).reshape(-1), q.numpy().reshape(-1))
-    np.testing.assert_array_equal(np.asarray(layer.absmax_codes).reshape(-1), state.absmax.numpy())
-    np.testing.assert_allclose(layer.absmax_scale, state.state2.absmax.numpy(), rtol=1e-6)
-    np.testing.assert_allclose(layer.offset, float(state.offset), rtol=1e-6)
-    ours = layer.dequantized().weight
-    np.testing.assert_allclose(ours, functional.dequantize_4bit(q, state).numpy(), atol=1e-7)
+
+    # The second level of bitsandbytes' own centred absmaxes, by its PyTorch kernel.
+    _, absmax = ops.quantize_4bit.default(w, 64, "nf4", torch.uint8)
+    centred = absmax - state.offset
+    want, want_scale = _pytorch_kernel(torch, ops.quantize_blockwise)(centred, code, 256)
+    got, got_scale = quantize_blockwise(
+        jnp.asarray(centred.numpy()), rc.quant.DQ_BLOCK, rc.quant.DYNAMIC_CODE
+    )
+    np.testing.assert_array_equal(got, want.numpy())
+    np.testing.assert_array_equal(got_scale, want_scale.numpy())
+    # End to end only the offset differs: a float32 mean summed in another order.
+    np.testing.assert_allclose(layer.offset, float(state.offset), rtol=5e-7)
+    np.testing.assert_allclose(layer.absmax_scale, want_scale.numpy(), rtol=1e-6)
+    assert np.mean(np.asarray(layer.absmax_codes).reshape(-1) != want.numpy()) < 1e-3
+
+    # bitsandbytes decodes redcoast's arrays to the very same weight.
+    state.absmax = torch.from_numpy(np.array(layer.absmax_codes).reshape(-1))
+    state.state2.absmax = torch.from_numpy(np.array(layer.absmax_scale))
+    state.offset = torch.tensor(np.asarray(layer.offset))
+    theirs = functional.dequantize_4bit(q, state).numpy()
+    np.testing.assert_array_equal(layer.dequantized().weight, theirs)
+
+    # The C kernel: the same scales, and a code one level over in about 0.2% of blocks.
+    c_codes, c_scale = functional.quantize_blockwise(centred, blocksize=256)
+    np.testing.assert_array_equal(c_scale.absmax.numpy(), want_scale.numpy())
+    steps = c_codes.numpy().astype(int) - want.numpy().astype(int)
+    assert 0.0005 < np.mean(steps != 0) < 0.005 and np.abs(steps).max() == 1, steps
 
 
 def test_round_trip_error_on_normal_weights():

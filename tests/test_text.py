@@ -1,5 +1,6 @@
 """Text to rows: token folders, packing, instruction masks, bad input, and fit on them."""
 
+import errno
 import gc
 import inspect
 import json
@@ -24,6 +25,7 @@ from beartype import beartype
 from jaxtyping import Array, Bool, Int, jaxtyped
 
 import redcoast as rc
+import redcoast.text._checksums as checksums
 from redcoast.models import GPT2, GPT2Config
 
 EOS = "<|endoftext|>"
@@ -154,6 +156,38 @@ def test_an_interrupted_tokenization_leaves_nothing_that_looks_complete(tok, tmp
         f.truncate(10)
     with pytest.raises(ValueError, match=r"tokens\.bin holds 10 bytes .* damaged"):
         rc.text.TokenFile.open(tmp_path / "tok")
+
+
+def test_a_full_disk_or_a_failed_rename_keeps_the_previous_folder_and_no_other(
+    tok, tmp_path, monkeypatch
+):
+    out = tmp_path / "tok"
+    rc.text.tokenize(_docs(2), tok, out, progress=False)
+
+    def full_disk(path, mode):
+        # Every write fails as on a full disk, again when the writer closes the file.
+        return open("/dev/full", mode)
+
+    monkeypatch.setattr(checksums, "open", full_disk, raising=False)
+    with pytest.raises(OSError, match="No space left on device"):
+        rc.text.tokenize(_docs(3), tok, out, progress=False)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["tok"]
+    assert rc.text.TokenFile.open(out).n_documents == 2
+
+    real = os.rename
+
+    def fail_into_place(src, dst):
+        if Path(dst) == out and ".tmp-" in Path(src).name:
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", fail_into_place)
+    with pytest.raises(OSError, match="Input/output error"):
+        rc.text.tokenize(_docs(3), tok, out, progress=False)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["tok"]
+    assert rc.text.TokenFile.open(out).n_documents == 2
 
 
 def test_the_instruction_mask_covers_exactly_the_completion(tok, tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from .._files import replace_folder
 from ._format import FORMAT, STATE, CheckpointError
 
 __all__ = [
@@ -125,20 +126,11 @@ def tidy(parent: Path) -> None:
 def put_in_place(tmp: Path, final: Path) -> None:
     """Rename the complete `tmp` to `final`, keeping the previous one until it is there."""
     _fsync(tmp)
-    parent = final.parent
-    if final.exists():
-        trash = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        final.rename(trash)
-        try:
-            tmp.rename(final)
-        except BaseException:
-            trash.rename(final)
-            raise
-        _fsync(parent)
+    trash = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+    if replace_folder(tmp, final, trash):
+        _fsync(final.parent)
         shutil.rmtree(trash)
-    else:
-        tmp.rename(final)
-    _fsync(parent)
+    _fsync(final.parent)
 
 
 def resolve(folder: Path) -> Path:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import xxhash
 
+from .._files import with_path
 from ..distributed._host import to_host
 
 __all__ = [
@@ -123,13 +124,6 @@ def _plan_files(
     return [(f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors", g) for k, g in enumerate(groups)]
 
 
-def _with_path(err: OSError, path: Path) -> OSError:
-    """The same error (same errno, so the same subclass) naming the file it happened to."""
-    if err.filename is not None:
-        return err
-    return OSError(err.errno, err.strerror or os.strerror(err.errno or 0), str(path))
-
-
 def _write_safetensors(
     path: Path, leaves: list[tuple[str, Any]], write: bool, metadata: Mapping[str, str]
 ) -> dict[str, str]:
@@ -169,7 +163,7 @@ def _write_safetensors(
             handle.flush()
             os.fsync(handle.fileno())
     except OSError as err:
-        raise _with_path(err, path) from err
+        raise with_path(err, path) from err
     finally:
         if handle is not None:
             handle.close()
@@ -183,7 +177,7 @@ def write_text(path: Path, text: str) -> None:
             handle.flush()
             os.fsync(handle.fileno())
     except OSError as err:
-        raise _with_path(err, path) from err
+        raise with_path(err, path) from err
 
 
 def write_group(

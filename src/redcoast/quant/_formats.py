@@ -22,6 +22,7 @@ __all__ = [
     "dynamic_map",
     "nf4_absmax",
     "nf4_rows",
+    "quantize_blockwise",
     "quantize_int8",
     "quantize_nf4",
 ]
@@ -56,8 +57,20 @@ NF4_CODE = np.array(
 """The 16 levels of 4-bit NormalFloat (Dettmers et al. 2023, Appendix E; bitsandbytes)."""
 
 
+def _torch_linspace(start: float, end: float, n: int) -> np.ndarray:
+    """`torch.linspace(start, end, n, dtype=torch.float32)` bit for bit: a float32 step,
+    and each value `start + i * step` (from `end` back in the upper half) rounded once,
+    as PyTorch's CPU kernel computes it with fused multiply-adds. NumPy's float64
+    linspace rounds a few of the dynamic code's levels one ulp the other way."""
+    lo, hi = np.float32(start), np.float32(end)
+    step = np.float64((hi - lo) / np.float32(n - 1))
+    i = np.arange(n, dtype=np.float64)
+    return np.where(i < n // 2, lo + i * step, hi - (n - 1 - i) * step).astype(np.float32)
+
+
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
-    """bitsandbytes' 8-bit dynamic tree code (`create_dynamic_map`), 256 sorted float32 levels.
+    """bitsandbytes' 8-bit dynamic tree code (`functional.create_dynamic_map`), 256 sorted
+    float32 levels, bit for bit.
 
     A dynamic exponent and a fraction (Dettmers 2015, arXiv 1511.04561): more levels
     near zero. bitsandbytes quantizes QLoRA's absmax scales with it.
@@ -71,13 +84,13 @@ def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int
             if signed
             else 2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
         )
-        boundaries = np.linspace(0.1, 1, fraction_items, dtype=np.float32)
+        boundaries = _torch_linspace(0.1, 1.0, fraction_items)
         means = (boundaries[:-1] + boundaries[1:]) / 2.0
         data += ((10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
         if signed:
             data += (-(10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
     if additional_items > 0:
-        boundaries = np.linspace(0.1, 1, additional_items + 1, dtype=np.float32)
+        boundaries = _torch_linspace(0.1, 1.0, additional_items + 1)
         means = (boundaries[:-1] + boundaries[1:]) / 2.0
         # bitsandbytes scales these by its loop's last exponent, 10 ** 0.
         data += means.tolist()
@@ -109,16 +122,24 @@ def _nearest(x: Array, code: np.ndarray) -> Array:
     return jnp.searchsorted(mids, x, side="left").astype(jnp.uint8)
 
 
-def _absmax_blocks(x: Float[Array, " n"], block: int) -> tuple[Array, Array]:
-    """`x` cut into blocks (the last zero-padded) and each block's absolute maximum."""
+def _safe(absmax: Array) -> Array:
+    # An all-zero block stores absmax 0 and codes for 0; scaling by 1 keeps it finite.
+    return jnp.where(absmax == 0, 1.0, absmax)
+
+
+def quantize_blockwise(
+    x: Float[Array, " n"], block: int, code: np.ndarray
+) -> tuple[UInt8[Array, " n"], Float[Array, " blocks"]]:
+    """bitsandbytes' blockwise quantization, both of NF4's levels: each `block` of `x`
+    (the last zero-padded) scaled by its absmax, as the indices of the nearest levels
+    of the sorted `code`; and those absmaxes."""
     n_blocks = -(-x.shape[0] // block)
     padded = jnp.pad(x, (0, n_blocks * block - x.shape[0])).reshape(n_blocks, block)
-    return padded, jnp.abs(padded).max(axis=1)
-
-
-def _safe(absmax: Array) -> Array:
-    # An all-zero block stores absmax 0 and codes for 0; dividing by 1 keeps it finite.
-    return jnp.where(absmax == 0, 1.0, absmax)
+    absmax = jnp.abs(padded).max(axis=1)
+    # Times the reciprocal, as bitsandbytes' PyTorch kernels scale: a quotient can round the
+    # other way, and a value on a midpoint between two levels then takes the other.
+    scaled = padded * (1.0 / _safe(absmax))[:, None]
+    return _nearest(scaled, code).reshape(-1)[: x.shape[0]], absmax
 
 
 def quantize_nf4(
@@ -132,6 +153,17 @@ def quantize_nf4(
     """NF4 with double quantization, as bitsandbytes' `quantize_4bit(..., "nf4",
     compress_statistics=True)`.
 
+    Bit for bit, bitsandbytes 0.50's PyTorch kernels (`bitsandbytes/backends/default/
+    ops.py`, the ops' `default` backend): `bitsandbytes::quantize_4bit` (codes and
+    absmaxes), then `bitsandbytes::quantize_blockwise` (the second level's codes and
+    scales, given the same offset). The offset, the absmaxes' float32 mean, is summed
+    in XLA's order, not PyTorch's: within a few ulps, so one or two second-level codes
+    in 10^5 land one level over. On CPU, `functional.quantize_4bit` runs that same
+    `quantize_4bit` kernel (there is no other), but its nested `quantize_blockwise`
+    runs the `cpu` backend's C kernel (`cquantize_blockwise_cpu_fp32`), whose search
+    does not always find the nearest level: about 0.2% of the second-level codes are
+    one level over (up to three for values within 1e-5 of zero, where levels crowd).
+
     Returns:
         `codes`: two 4-bit indices into `NF4_CODE` per byte, the first of each pair in
         the high nibble; `absmax_codes`: each 64-block's absmax minus their mean, as
@@ -139,16 +171,12 @@ def quantize_nf4(
         absmax of those; `offset`: the mean absmax.
     """
     n_out, n_in = w.shape
-    w = w.astype(jnp.float32)
-    blocks = w.reshape(n_out, n_in // NF4_BLOCK, NF4_BLOCK)
-    absmax = jnp.abs(blocks).max(axis=2)
-    idx = _nearest(blocks / _safe(absmax)[..., None], NF4_CODE).reshape(n_out, n_in // 2, 2)
-    codes = (idx[..., 0] << 4) | idx[..., 1]
+    idx, absmax = quantize_blockwise(w.astype(jnp.float32).reshape(-1), NF4_BLOCK, NF4_CODE)
+    pairs = idx.reshape(n_out, n_in // 2, 2)
+    codes = (pairs[..., 0] << 4) | pairs[..., 1]
     offset = absmax.mean()
-    centred, scale = _absmax_blocks((absmax - offset).reshape(-1), DQ_BLOCK)
-    q = _nearest(centred / _safe(scale)[:, None], DYNAMIC_CODE).reshape(-1)
-    absmax_codes = q[: absmax.size].reshape(absmax.shape)
-    return codes.astype(jnp.uint8), absmax_codes, scale, offset
+    absmax_codes, scale = quantize_blockwise(absmax - offset, DQ_BLOCK, DYNAMIC_CODE)
+    return codes, absmax_codes.reshape(n_out, n_in // NF4_BLOCK), scale, offset
 
 
 def nf4_absmax(

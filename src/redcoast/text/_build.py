@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 from jax.experimental import multihost_utils
 
+from .._files import replace_folder
 from ._checksums import CHUNK_BYTES, ChunkedWriter
 from ._token_file import FORMAT, LEFTOVER, TokenFile, foreign_files, only_ours
 from ._tokenizer import Tokenizer
@@ -51,9 +52,13 @@ class Writer:
         self.tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
         self.tmp.mkdir(parents=True)
         self.dtype = _token_dtype(tok.vocab_size)
-        self.files = {"tokens": ChunkedWriter(self.tmp / "tokens.bin")}
-        if mask:
-            self.files["mask"] = ChunkedWriter(self.tmp / "mask.bin")
+        self.files: dict[str, ChunkedWriter] = {}
+        try:
+            for name in ("tokens", "mask") if mask else ("tokens",):
+                self.files[name] = ChunkedWriter(self.tmp / f"{name}.bin")
+        except BaseException:
+            self.abort()
+            raise
         self.starts, self.origins = array("q", [0]), array("i")
         self.n, self.max_id, self.meta = 0, -1, meta
 
@@ -109,8 +114,11 @@ class Writer:
         return TokenFile.open(self.path)
 
     def abort(self) -> None:
+        """Delete the temporary folder; the error that stopped the write is the one raised."""
         for f in self.files.values():
-            f.close(sync=False)
+            # Closing flushes what is buffered, which fails again on a full disk.
+            with contextlib.suppress(OSError):
+                f.close(sync=False)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -125,14 +133,11 @@ def _write_small(path: Path, values: Any) -> str:
 
 
 def _replace_folder(new: Path, path: Path) -> None:
-    """Rename `new` to `path`; a token folder there is swapped out, then deleted."""
+    """Rename `new` to `path`; a token folder there is swapped out (put back if the
+    rename fails), then deleted."""
     _refuse_foreign(path)  # files may have been put there while this one was written
-    old = None
-    if path.exists():
-        old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(path, old)
-    os.replace(new, path)
-    if old is None:
+    old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
+    if not replace_folder(new, path, old):
         return
     if only_ours(old):
         shutil.rmtree(old, ignore_errors=True)

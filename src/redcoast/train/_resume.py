@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from .._files import written_whole
 from ..checkpoint._io import checkpoint_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from ..lora._layers import adapters_differ, adapters_record
 from ..parallel._context_parallel import ContextParallel
@@ -214,10 +215,8 @@ def _restore_history(path: str, step: int, lead: bool) -> dict[str, list[dict[st
     records, unfinished = read_jsonl(path)
     kept = [r for r in records if int(r.get("step", 0)) <= step]
     if lead and (unfinished or len(kept) != len(records)):
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        with written_whole(Path(path), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, path)
     for r in kept:
         history["eval" if any(k.startswith("eval_") for k in r) else "train"].append(r)
     return history

@@ -57,6 +57,7 @@ from jax.experimental import multihost_utils
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import lora
+from .._files import check_output_file, written_whole
 from ..text import collate
 from .evaluate import predict
 
@@ -468,10 +469,12 @@ def precompute_reference(
 
     A full fine-tune changes the very weights the reference is, so DPO's reference
     is taken from the model before training: one `rc.predict` pass over `rows`,
-    written to `path` (a `.npy` of `(len(rows), 2)` float32, written under a
-    temporary name and renamed when complete, by process 0) and read back memory
-    mapped. It is computed afresh on every call, from the model given: pass the
-    model before training, also when resuming.
+    written to `path` (a `.npy` of `(len(rows), 2)` float32, its folder made if
+    missing, written under a temporary name and renamed when complete, by process
+    0) and read back memory mapped. A path that cannot be written (a folder, a file
+    where its folder would be, no permission) is refused before the pass. It is
+    computed afresh on every call, from the model given: pass the model before
+    training, also when resuming.
 
     Args:
         model: the reference (the model as training starts).
@@ -492,6 +495,10 @@ def precompute_reference(
         >>> loss_fn = functools.partial(rc.preference.dpo_loss, reference="precomputed")
     """
 
+    path = Path(path)
+    # Every process reads the file back, so each sees the same folder and verdict.
+    check_output_file(path, "precompute_reference: path")
+
     def pred_fn(m: Model, batch: Mapping[str, Any], key: PRNGKeyArray) -> dict[str, Array]:
         chosen, rejected = pair_logps(m, batch)
         return {"chosen": chosen, "rejected": rejected}
@@ -505,15 +512,11 @@ def precompute_reference(
         per_device_batch_size=per_device_batch_size,
         precision=precision,
     )
-    path = Path(path)
     if jax.process_index() == 0:
+        values = np.array([(o["chosen"], o["rejected"]) for o in out], np.float32)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        values = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(len(out), 2))
-        values[:] = [(o["chosen"], o["rejected"]) for o in out]
-        values.flush()
-        del values
-        os.replace(tmp, path)
+        with written_whole(path) as f:
+            np.save(f, values.reshape(len(out), 2))
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"redcoast reference {path}")
     return ReferencedRows(rows, np.load(path, mmap_mode="r"))
