@@ -11,6 +11,7 @@ from . import lora as lora
 from . import models as models
 from . import nn as nn
 from . import quant as quant
+from . import sampling as sampling
 from . import text as text
 from .checkpoint._io import Checkpoint as Checkpoint
 from .checkpoint._io import CheckpointError as CheckpointError

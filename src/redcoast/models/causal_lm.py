@@ -18,12 +18,12 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
+from .._checks import check_range
 from ..nn import Implementation, RematPolicy, check_remat, table_dtype, tied_logits
 from ..parallel import fsdp
 from ..parallel.place import placement_hint
 from . import hf
 from ._stack import run_stack
-from .checks import check_range
 from .layers import AnyNorm, DecoderBlock, KVCache, LayerAttention, apply_norm
 
 Blocks = tuple[DecoderBlock, ...] | DecoderBlock
@@ -191,7 +191,7 @@ class AbstractCausalLM(hf.HFModel):
                 or `positions` or `segment_ids` are not one per token.
             RuntimeError: when the computation runs, a token id is outside
                 `[0, vocab_size)`, or a position outside the position table (see
-                `checks.check_range`).
+                `redcoast._checks.check_range`).
 
         Example:
             >>> ids = jnp.arange(8)
@@ -251,7 +251,7 @@ class AbstractCausalLM(hf.HFModel):
                 or the cache.
             RuntimeError: when the computation runs, a token id is outside
                 `[0, vocab_size)`, or a traced `index` runs past the position table
-                or the cache (see `checks.check_range`).
+                or the cache (see `redcoast._checks.check_range`).
 
         Example:
             >>> cache = model.init_cache(max_len=32)

@@ -28,8 +28,8 @@ from einops import rearrange
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
+from .._checks import check_range
 from ..nn import Implementation, Norm, attention, check_implementation, dense, normalise
-from .checks import check_range
 from .moe import SparseMoE
 from .rope import RoPE
 from .rope import rotate as rotate
@@ -292,7 +292,7 @@ class Attention(eqx.Module):
         Raises:
             ValueError: an int `index` leaves no room for `x` in the cache.
             RuntimeError: when the computation runs, an array `index` leaves no
-                room for `x` in the cache (see `checks.check_range`).
+                room for `x` in the cache (see `redcoast._checks.check_range`).
         """
         seq = x.shape[0]
         # dynamic_update_slice clamps the start: a write past the end would silently

@@ -24,12 +24,12 @@ from einops import rearrange
 from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, Shaped
 
+from .._checks import as_int_array, check_range
 from ..nn import Norm, RematPolicy, attention, normalise, table_dtype
 from ..parallel import fsdp
 from ..parallel.place import placement_hint
 from . import hf
 from ._stack import Stack, run_stack
-from .checks import as_int_array, check_range
 from .layers import MLP, KVCache, SwiGLU
 
 

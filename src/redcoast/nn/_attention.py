@@ -19,7 +19,6 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from einops import repeat
 from jaxtyping import Array, Bool, Float, Int
 
 from .._checks import check_choice, typechecked
@@ -55,9 +54,16 @@ def _scores_softmax_values(
     scale: float | None,
     softcap: float | None,
 ) -> Array:
-    scores = jnp.einsum("...thd,...shd->...hts", q, k)
+    # Grouped query heads read their key/value head in place (query head i reads head
+    # i // group) instead of from copies of the keys and values made for every query
+    # head: the copy and its transposition cost more than the products when decoding.
+    *batch, seq, heads, dim = q.shape
+    kv_seq, kv_heads = k.shape[-3:-1]
+    grouped = (*batch, kv_heads, heads // kv_heads)
+    q = q.reshape(*batch, seq, *grouped[-2:], dim)
+    scores = jnp.einsum("...tkgd,...skd->...kgts", q, k).reshape(*batch, heads, seq, kv_seq)
     # Dividing by the root when no scale is given keeps the decoders' arithmetic exactly.
-    scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
+    scores = scores / math.sqrt(dim) if scale is None else scores * scale
     # Softmax in float32 whatever the weights' dtype, as every HF implementation does.
     scores = scores.astype(jnp.float32)
     if softcap is not None:
@@ -66,8 +72,8 @@ def _scores_softmax_values(
         scores = scores + bias.astype(jnp.float32)
     if visible is not None:
         scores = jnp.where(visible[..., None, :, :], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("...hts,...shd->...thd", weights, v)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(*grouped, seq, kv_seq)
+    return jnp.einsum("...kgts,...skd->...tkgd", weights, v).reshape(*batch, seq, heads, dim)
 
 
 def _visible(seq: int, kv_seq: int, o: Options) -> Array | None:
@@ -91,11 +97,6 @@ def _and(a: Array | None, b: Array) -> Array:
 def _einsum(
     q: Array, k: Array, v: Array, o: Options, *, scale: float | None, recompute: bool
 ) -> Array:
-    heads, kv_heads = q.shape[-2], k.shape[-2]
-    if heads != kv_heads:
-        group = heads // kv_heads
-        k = repeat(k, "... s h d -> ... s (h g) d", g=group)
-        v = repeat(v, "... s h d -> ... s (h g) d", g=group)
     visible = _visible(q.shape[-3], k.shape[-3], o)
     fn = functools.partial(_scores_softmax_values, scale=scale, softcap=o.softcap)
     return recomputed(fn, recompute)(q, k, v, visible, o.bias)
@@ -287,7 +288,8 @@ def attention(
     How it computes (`implementation`):
 
     - `"einsum"`: the `(heads, seq, kv_seq)` scores written out, then the softmax;
-      every option. Memory grows with the square of the sequence.
+      every option. Memory grows with the square of the sequence. Grouped heads do
+      not repeat the keys and values.
     - `"blockwise"`: flash attention in plain JAX (any backend): an online softmax
       over blocks of `block_size` keys for each block of queries, in float32, and a
       backward pass that recomputes each block's scores from `q`, `k`, `v`, the

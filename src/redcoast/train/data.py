@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Int
 
-from .._checks import check_positive
+from .._checks import check_positive, int32_overflow
 from ..parallel.mesh import DATA, mesh_shape
 
 CollateFn = Callable[[list[Any]], Mapping[str, Any]]
@@ -220,16 +220,6 @@ def collate_examples(collate_fn: CollateFn, examples: list[Any]) -> dict[str, np
             "x.astype('datetime64[s]').astype(np.int64)), or leave such fields out of the batch."
         )
     return arrays
-
-
-def int32_overflow(x: np.ndarray) -> tuple[int, int, np.iinfo] | None:
-    """`(min, max, the 32-bit range)` when 64-bit integers `x` hold a value outside the
-    32-bit range JAX converts them to with x64 disabled, else None (other dtypes too)."""
-    if x.dtype not in (np.int64, np.uint64) or x.size == 0:
-        return None
-    narrow = np.iinfo(np.int32 if x.dtype == np.int64 else np.uint32)
-    low, high = int(x.min()), int(x.max())
-    return (low, high, narrow) if low < narrow.min or high > narrow.max else None
 
 
 def check_int_range(arrays: Mapping[str, np.ndarray]) -> None:
