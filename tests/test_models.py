@@ -2,7 +2,8 @@
 
 Each architecture is a tiny random `transformers` model (hidden 32, 2 layers) saved
 with `save_pretrained`; redcoast must reproduce its logits and its greedy tokens,
-and write folders `transformers` reads back. Needs the `hf` extra (torch, transformers).
+and write folders `transformers` reads back, of every zoo model built in code too.
+Needs the `hf` extra (torch, transformers).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from tiny import DECODERS, hf_decoder_config
+from tiny import DECODERS, FAMILIES, drawn, family_config, hf_decoder_config
 
 import redcoast as rc
 
@@ -305,6 +306,141 @@ def test_shape_mismatch_is_named(gpt2_folder: Path, tmp_path: Path) -> None:
     (folder / "model.safetensors").write_bytes((gpt2_folder / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=r"does not use: \['transformer.h.1"):
         rc.models.from_hf(folder)
+
+
+# ----------------------------------------------------------------------------- tied heads
+
+TABLES = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+
+
+def tied_with_a_stored_head(src: Path, dst: Path, arch: str, *, same: bool) -> Path:
+    """A copy of `src` whose config.json ties the head, storing `lm_head.weight` equal to
+    the token table (`same`) or not (a fine-tuned head; the untied Llama's own)."""
+    folder = copy_folder(src, dst)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    tensors = load_file(folder / "model.safetensors")
+    table = tensors[TABLES[arch]]
+    if same:
+        tensors["lm_head.weight"] = table.copy()
+    else:
+        other = table + np.random.default_rng(1).normal(0, 0.5, table.shape).astype(table.dtype)
+        tensors.setdefault("lm_head.weight", other)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_stored_head_unlike_the_table_is_loaded_untied_as_transformers_does(
+    arch: str, checkpoints, tmp_path: Path
+) -> None:
+    folder = tied_with_a_stored_head(checkpoints(arch)[0], tmp_path / "tied", arch, same=False)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    want = torch_logits(theirs, IDS)
+    with pytest.warns(UserWarning, match=rf"ties 'lm_head.weight' to '{TABLES[arch]}'") as caught:
+        model = rc.models.from_hf(folder)
+    assert str(folder) in str(caught[0].message) and "loaded untied" in str(caught[0].message)
+    assert model.lm_head is not None
+    assert np.abs(np.asarray(forward(model, jnp.asarray(IDS))) - want).max() <= 1e-4
+    model.to_hf(tmp_path / "out")
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
+    )
+    assert "lm_head.weight" in load_file(tmp_path / "out" / "model.safetensors")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    np.testing.assert_allclose(torch_logits(back, IDS), want, rtol=0, atol=1e-5)
+    # A stored head equal to the table is the tied head: no warning (warnings are errors).
+    same = tied_with_a_stored_head(checkpoints(arch)[0], tmp_path / "same", arch, same=True)
+    assert rc.models.from_hf(same).lm_head is None
+
+
+# ----------------------------------------------------------------------------- built in code
+
+# Below the ids transformers' configs default to (GPT-2's 50256, Phi-3's padding 32000).
+SMALL_VOCAB = 48
+PIXELS = np.random.default_rng(3).normal(size=(2, 3, 16, 16)).astype(np.float32)
+VIT = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    image_size=16,
+    patch_size=4,
+)
+
+
+def built_in_code(model_type: str) -> rc.models.HFConfig:
+    """A small config of the zoo's `model_type` as code writes one, without token ids."""
+    m, v = rc.models, SMALL_VOCAB
+    families = {getattr(m, cls).config_class.model_type: n for n, cls in FAMILIES.items()}
+    if model_type in families:
+        return family_config(families[model_type], vocab=v)  # type: ignore[return-value]
+    gpt2 = dict(vocab_size=v, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    configs = {
+        "gpt2": lambda: m.GPT2Config(**gpt2),
+        "gptj": lambda: m.GPTJConfig(**gpt2, rotary_dim=4),
+        "opt": lambda: m.OPTConfig(
+            vocab_size=v,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=16,
+        ),
+        "t5": lambda: m.T5Config(
+            vocab_size=v, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4
+        ),
+        "bart": lambda: m.BARTConfig(
+            vocab_size=v,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=16,
+        ),
+        "vit": lambda: m.ViTConfig(**VIT),
+        "vision-encoder-decoder": lambda: m.VisionEncoderDecoderConfig(
+            encoder=m.ViTConfig(**VIT), decoder=m.GPT2Config(**gpt2, add_cross_attention=True)
+        ),
+    }
+    return configs[model_type]()
+
+
+@eqx.filter_jit
+def batched(model: eqx.Module, *inputs: jax.Array) -> jax.Array:
+    return jax.vmap(model)(*inputs)
+
+
+@pytest.mark.parametrize("model_type", sorted(rc.models.ARCHITECTURES))
+def test_every_model_built_in_code_writes_a_folder_transformers_loads(
+    model_type: str, tmp_path: Path
+) -> None:
+    config = built_in_code(model_type)
+    model = drawn(rc.models.ARCHITECTURES[model_type], config)
+    model.to_hf(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    special = {k: v for k, v in written.items() if k.endswith("token_id") and v is not None}
+    assert all(0 <= v < SMALL_VOCAB for v in special.values()), special
+    ids = torch.tensor(IDS % SMALL_VOCAB, dtype=torch.long)
+    pixels = torch.tensor(PIXELS)
+    with torch.no_grad():
+        if isinstance(model, rc.models.AbstractCausalLM):
+            theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+            inputs, want = (ids,), theirs(ids).logits
+        elif isinstance(model, rc.models.VisionEncoderDecoder):
+            theirs = transformers.VisionEncoderDecoderModel.from_pretrained(tmp_path).eval()
+            inputs, want = (pixels, ids), theirs(pixel_values=pixels, decoder_input_ids=ids).logits
+        elif isinstance(model, rc.models.AbstractSeq2SeqLM):
+            theirs = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+            inputs, want = (ids, ids), theirs(input_ids=ids, decoder_input_ids=ids).logits
+        else:
+            theirs = transformers.AutoModel.from_pretrained(tmp_path).eval()
+            inputs, want = (pixels,), theirs(pixel_values=pixels).last_hidden_state
+    got = batched(model, *(jnp.asarray(x.numpy()) for x in inputs))
+    assert np.abs(np.asarray(got) - want.numpy()).max() <= 1e-4
 
 
 def small_decoder(arch: str, attention: str = "auto") -> rc.models.AbstractCausalLM:

@@ -20,7 +20,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from tiny import drawn, megatron_specs
 
 import redcoast as rc
@@ -276,6 +276,31 @@ def test_bad_settings_are_errors(checkpoints) -> None:
         rc.models.generate_seq2seq(model, SRC, max_new_tokens=4, num_beams=2, temperature=1.0)
     with pytest.raises(ValueError, match="eos_token_id=500 is not a token id"):
         rc.models.generate_seq2seq(model, SRC, max_new_tokens=4, eos_token_id=500)
+
+
+@pytest.mark.parametrize(
+    ("arch", "copy"),
+    [
+        ("bart", "lm_head.weight"),
+        ("t5", "lm_head.weight"),
+        ("t5-v1.1", "encoder.embed_tokens.weight"),
+    ],
+)
+def test_a_stored_copy_unlike_its_tied_original_is_refused(
+    arch: str, copy: str, checkpoints, tmp_path: Path
+) -> None:
+    # One token table serves the encoder, the decoder and a tied head: a copy stored with
+    # values of its own cannot be held, and is named rather than dropped.
+    src, folder = checkpoints(arch)[0], tmp_path / arch
+    folder.mkdir()
+    for f in src.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    original = "model.shared.weight" if arch == "bart" else "shared.weight"
+    tensors[copy] = tensors[original] + 1.0
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"ties '{copy}' to '{original}'.*one array for both"):
+        rc.models.from_hf(folder)
 
 
 # ----------------------------------------------------------------------------- sharded

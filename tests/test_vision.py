@@ -8,6 +8,7 @@ folders `transformers` reads back. Needs the `hf` extra (torch, transformers).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -21,7 +22,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from tiny import drawn, megatron_specs
 
 import redcoast as rc
@@ -31,6 +32,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 40
+LABELS = 4
 RNG = np.random.default_rng(0)
 PIXELS = RNG.normal(size=(3, 3, 16, 16)).astype(np.float32)
 CAPTIONS = RNG.integers(3, VOCAB, (3, 7)).astype(np.int32)
@@ -90,6 +92,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
             folder = tmp_path_factory.mktemp(name)
             if name == "vit":
                 model = randomised(transformers.ViTModel(vit_config()))
+            elif name == "vit-no-pooler":
+                model = randomised(transformers.ViTModel(vit_config(), add_pooling_layer=False))
+            elif name == "vit-classifier":
+                model = transformers.ViTForImageClassification(vit_config(num_labels=LABELS))
+                model = randomised(model)
             else:
                 model = hf_captioner(24 if name == "projected" else 32)
             model.save_pretrained(folder)  # type: ignore[attr-defined]
@@ -139,6 +146,61 @@ def test_vit_equals_transformers_and_round_trips(checkpoints, tmp_path: Path) ->
     assert set(load_file(tmp_path / "model.safetensors")) == set(
         load_file(folder / "model.safetensors")
     )
+
+
+encode = eqx.filter_jit(lambda model, pixels: jax.vmap(model)(pixels))
+
+
+def torch_hidden(model: object) -> np.ndarray:
+    with torch.no_grad():
+        return model(pixel_values=torch.tensor(PIXELS)).last_hidden_state.numpy()  # type: ignore[operator]
+
+
+def test_a_vit_saved_without_its_pooler_loads_and_writes_none(checkpoints, tmp_path: Path) -> None:
+    folder, hf = checkpoints("vit-no-pooler")
+    model = rc.models.from_hf(folder)
+    assert isinstance(model, rc.models.ViT) and model.pooler is None
+    want = torch_hidden(hf)
+    assert np.abs(np.asarray(encode(model, jnp.asarray(PIXELS))) - want).max() <= 1e-4
+    with pytest.raises(ValueError, match="has no pooler"):
+        model.pooled(jnp.zeros((17, 32)))
+    # Written as transformers writes it: the same tensors, no pooler's; read back alike.
+    model.to_hf(tmp_path)
+    assert set(load_file(tmp_path / "model.safetensors")) == set(
+        load_file(folder / "model.safetensors")
+    )
+    assert rc.models.from_hf(tmp_path).pooler is None  # type: ignore[union-attr]
+    back = transformers.ViTModel.from_pretrained(tmp_path, add_pooling_layer=False).eval()
+    np.testing.assert_allclose(torch_hidden(back), want, rtol=0, atol=1e-6)
+
+
+def test_vit_classifier_equals_transformers_round_trips_and_splits(
+    checkpoints, tmp_path: Path
+) -> None:
+    folder, hf = checkpoints("vit-classifier")
+    with torch.no_grad():
+        want = hf(pixel_values=torch.tensor(PIXELS)).logits.numpy()  # type: ignore[operator]
+    model = rc.models.from_hf(folder)
+    assert isinstance(model, rc.models.ViTClassifier) and model.vit.pooler is None
+    got = np.asarray(encode(model, jnp.asarray(PIXELS)))
+    assert got.shape == (3, LABELS)
+    assert np.abs(got - want).max() <= 1e-4
+    model.to_hf(tmp_path)
+    reloaded = transformers.AutoModelForImageClassification.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is type(hf)
+    with torch.no_grad():
+        again = reloaded(pixel_values=torch.tensor(PIXELS)).logits.numpy()
+    np.testing.assert_allclose(again, want, rtol=0, atol=1e-6)
+    assert set(load_file(tmp_path / "model.safetensors")) == set(
+        load_file(folder / "model.safetensors")
+    )
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["id2label"] == json.loads((folder / "config.json").read_text())["id2label"]
+    # Split as the ViT is, the head by its classes as a vocabulary head is.
+    plan = rc.sharding_plan(model, 2)
+    got_layout, want_layout = layout(model, plan.specs), layout(model, megatron_specs(model, 2))
+    head = {"classifier.weight": ("model", None), "classifier.bias": ("model",)}
+    assert got_layout == {**want_layout, **head}
 
 
 # ----------------------------------------------------------------------------- captioner
@@ -240,6 +302,20 @@ def test_bad_input_is_one_clear_error_each(checkpoints, tmp_path: Path) -> None:
         rc.models.VisionEncoderDecoderConfig(encoder=gpt2, decoder=gpt2)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="ViTConfig"):
         rc.models.ViT(gpt2, key=jax.random.key(0))  # type: ignore[arg-type]
+    # A head of the decoder's own, which the captioner (its logits from the token table)
+    # cannot hold: stored beside the table, or asked for by the config.
+    stored = tmp_path / "head"
+    stored.mkdir()
+    for f in folder.iterdir():
+        (stored / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(stored / "model.safetensors")
+    tensors["decoder.lm_head.weight"] = tensors["decoder.transformer.wte.weight"] + 1.0
+    save_file(tensors, stored / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"ties 'decoder.lm_head.weight' to 'decoder.transformer"):
+        rc.models.from_hf(stored)
+    untied = dataclasses.replace(CONFIG.decoder, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        dataclasses.replace(CONFIG, decoder=untied)
 
 
 # ----------------------------------------------------------------------------- sharding

@@ -6,7 +6,8 @@ The decoder zoo -- `GPT2`, `OPT`, `GPTJ`, and today's checkpoints on one
 (`from_hf`, `to_hf`) and generates with a key/value cache (`generate`). The
 encoder-decoders `T5` and `BART` do the same, and generate greedily, by sampling
 or by beam search (`generate_seq2seq`); so does the captioning model
-`VisionEncoderDecoder` (a `ViT` encoder and a GPT-2 decoder), from images. `DiT`
+`VisionEncoderDecoder` (a `ViT` encoder and a GPT-2 decoder), from images, and the
+image classifier `ViTClassifier` loads and saves alike. `DiT`
 goes the other way: a text-conditioned diffusion transformer with a DDIM sampler.
 """
 
@@ -73,6 +74,8 @@ from .t5 import T5Config as T5Config
 from .vision_encoder_decoder import VisionEncoderDecoder as VisionEncoderDecoder
 from .vision_encoder_decoder import VisionEncoderDecoderConfig as VisionEncoderDecoderConfig
 from .vit import ViT as ViT
+from .vit import ViTClassifier as ViTClassifier
+from .vit import ViTClassifierConfig as ViTClassifierConfig
 from .vit import ViTConfig as ViTConfig
 
 

@@ -38,6 +38,9 @@ class HFConfig:
     # (heads, width) pairs: `width` must be a multiple of `heads`, as each head takes
     # an equal share of the features (transformers refuses other configs too).
     divides: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # The special tokens' ids transformers' config class takes when config.json gives
+    # none (`pad_token_id`, ...); `token_id` reads them and `to_dict` writes them.
+    token_ids: ClassVar[Mapping[str, int | None]] = {}
     extra: tuple[tuple[str, str], ...] = ()
     # Not in config.json: the token table and head get rows up to a multiple of this
     # (Megatron-LM's make-vocab-size-divisible-by, 128 x model shards) so that the
@@ -117,6 +120,9 @@ class HFConfig:
         for f in dataclasses.fields(self):
             if f.name not in ("extra", "vocab_multiple"):
                 out[f.name] = getattr(self, f.name)
+        # Written out whether given or not: transformers would take its own defaults,
+        # ids its embedding refuses (a padding row past a small vocabulary).
+        out.update({name: self.token_id(name) for name in self.token_ids if name not in out})
         out["model_type"] = self.model_type
         out["architectures"] = [self.architecture]
         return dict(sorted(out.items()))
@@ -132,6 +138,24 @@ class HFConfig:
             if k == name:
                 return json.loads(v)
         return default
+
+    def token_id(self, name: str) -> Any:
+        """A special token's id (`pad_token_id`, `bos_token_id`, `eos_token_id`): as
+        config.json (or the code building the config) gives it, else transformers'
+        default for the architecture (`token_ids`) where the vocabulary has that token,
+        else `None`.
+
+        Example:
+            >>> Phi3Config(vocab_size=64).token_id("pad_token_id") is None  # 32000 is past it
+            True
+        """
+        if name in {f.name for f in dataclasses.fields(self)}:
+            return getattr(self, name)
+        if any(k == name for k, _ in self.extra):
+            return self.get_extra(name)
+        default = self.token_ids.get(name)
+        vocab = getattr(self, "vocab_size", None)
+        return default if default is not None and vocab is not None and default < vocab else None
 
     def _require(self, **settings: tuple[Any, Any]) -> None:
         """Raise for each `name=(value, supported)` whose value is not the supported one."""

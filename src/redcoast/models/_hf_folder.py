@@ -54,10 +54,16 @@ class SavedTensors:
                 "save the model with `save_pretrained(path)` (safetensors is the default)."
             )
 
-    def get(self, name: str, needed_for: str) -> np.ndarray:
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._stored(name) in self.where
+
+    def _stored(self, name: str) -> str:
+        """The name `name` is stored under: itself, or without the base model's prefix."""
         bare = name.removeprefix(self.base_prefix)
-        if name not in self.where and bare in self.where:
-            name = bare
+        return bare if name not in self.where and bare in self.where else name
+
+    def get(self, name: str, needed_for: str) -> np.ndarray:
+        name = self._stored(name)
         self.used.add(name)
         file = self.where.get(name)
         if file is None:

@@ -1,7 +1,8 @@
 """Load any model of the zoo from a Hugging Face folder, the class picked by config.json."""
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Unpack
+from typing import Any, Unpack
 
 from .bart import BART
 from .causal_lm import AbstractCausalLM
@@ -17,7 +18,7 @@ from .qwen import Qwen2, Qwen3
 from .seq2seq import AbstractSeq2SeqLM
 from .t5 import T5
 from .vision_encoder_decoder import VisionEncoderDecoder
-from .vit import ViT
+from .vit import ViT, ViTClassifier
 
 _CLASSES = (
     GPT2,
@@ -36,20 +37,47 @@ _CLASSES = (
     Gemma3,
     Phi3,
 )
-ARCHITECTURES: dict[str, type[AbstractCausalLM] | type[AbstractSeq2SeqLM] | type[ViT]] = {
-    cls.config_class.model_type: cls for cls in _CLASSES
-}
+ZooModel = AbstractCausalLM | AbstractSeq2SeqLM | ViT | ViTClassifier
+"""What `from_hf` returns: a model of the zoo."""
+
+ARCHITECTURES: dict[str, type[ZooModel]] = {cls.config_class.model_type: cls for cls in _CLASSES}
 """config.json's `model_type` -> the class that implements it."""
 
+# Models of a `model_type` with a head of their own, which config.json's `architectures`
+# names: `ViTForImageClassification` is a `vit`.
+_HEADS: dict[str, type[ZooModel]] = {ViTClassifier.config_class.architecture: ViTClassifier}
 
-def from_hf(
-    path: str | Path, **options: Unpack[LoadOptions]
-) -> AbstractCausalLM | AbstractSeq2SeqLM | ViT:
+
+def model_class(values: Mapping[str, Any], where: str = "config.json") -> type[ZooModel]:
+    """The zoo class a parsed config.json describes: by its `architectures` where that
+    names a model with a head of its own (`ViTForImageClassification`), else by its
+    `model_type`.
+
+    Raises:
+        ValueError: `model_type` names an architecture redcoast does not implement; the
+            message says `where` the config came from.
+    """
+    model_type = values.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"{where} describes model_type={model_type!r} (architectures="
+            f"{values.get('architectures')}), which redcoast does not implement; "
+            f"supported model_type values: {sorted(ARCHITECTURES)}."
+        )
+    for name in values.get("architectures") or ():
+        head = _HEADS.get(name)
+        if head is not None and head.config_class.model_type == model_type:
+            return head
+    return ARCHITECTURES[model_type]
+
+
+def from_hf(path: str | Path, **options: Unpack[LoadOptions]) -> ZooModel:
     """Load a `transformers` `save_pretrained` folder as the zoo model its `model_type` names.
 
     The `model_type`s: `gpt2`, `opt`, `gptj`, `llama` (1, 2, 3, 3.1, 3.2), `qwen2`
     (Qwen 2, 2.5), `qwen3`, `mistral`, `mixtral`, `gemma2`, `gemma3_text`, `phi3`, and
-    the encoder-decoders `t5` and `bart`, the image encoder `vit` and the captioning
+    the encoder-decoders `t5` and `bart`, the image encoder `vit` (a `ViTClassifier`
+    when `architectures` says `ViTForImageClassification`) and the captioning
     `vision-encoder-decoder` (ViT + GPT-2) (`ARCHITECTURES`).
 
     Args:
@@ -69,12 +97,5 @@ def from_hf(
     """
     check_load_options(options)
     folder = Path(path)
-    values = read_config(folder)
-    model_type = values.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"config.json in {folder} describes model_type={model_type!r} "
-            f"(architectures={values.get('architectures')}), which redcoast does not "
-            f"implement; supported model_type values: {sorted(ARCHITECTURES)}."
-        )
-    return ARCHITECTURES[model_type].from_hf(folder, **options)
+    cls = model_class(read_config(folder), f"config.json in {folder}")
+    return cls.from_hf(folder, **options)

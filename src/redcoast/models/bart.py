@@ -4,6 +4,7 @@ embeddings, post-LayerNorm blocks, GELU feed-forward networks, a tied head plus
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import ClassVar
 
 import equinox as eqx
@@ -108,11 +109,11 @@ class BART(AbstractSeq2SeqLM):
 
     config_class: ClassVar[type[hf.HFConfig]] = BARTConfig
     hf_base_prefix: ClassVar[str] = "model."
-    tied_hf_tensors: ClassVar[tuple[str, ...]] = (
-        "model.encoder.embed_tokens.weight",
-        "model.decoder.embed_tokens.weight",
-        "lm_head.weight",
-    )
+    tied_hf_tensors: ClassVar[Mapping[str, str]] = {
+        "model.encoder.embed_tokens.weight": "model.shared.weight",
+        "model.decoder.embed_tokens.weight": "model.shared.weight",
+        "lm_head.weight": "model.shared.weight",
+    }
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ generation, and the Hugging Face import/export; an architecture (`GPT2`, `Llama`
 """
 
 import abc
+import dataclasses
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
@@ -91,8 +92,6 @@ class AbstractCausalLM(hf.HFModel):
     config_class: ClassVar[type[hf.HFConfig]]
     # OPT's position table starts at row 2 (rows 0 and 1 are a fairseq leftover).
     position_offset: ClassVar[int] = 0
-    # Checkpoint tensors that duplicate another when the head is tied; ignored on load.
-    tied_hf_tensors: ClassVar[tuple[str, ...]] = ()
     # What transformers puts before the base model's tensor names (`transformer.h.0...`).
     hf_base_prefix: ClassVar[str] = ""
 
@@ -136,9 +135,12 @@ class AbstractCausalLM(hf.HFModel):
         """
 
     @classmethod
-    @abc.abstractmethod
-    def hf_tensors(cls, config: Any) -> list[hf.TensorMap]:
-        """How this architecture's arrays map to a `transformers` checkpoint's tensors."""
+    def untied(cls, config: Any) -> Any | None:
+        """`config` with a head of its own (`tie_word_embeddings=False`) where it ties the
+        head to the token table, for a checkpoint whose stored head differs from it."""
+        if not getattr(config, "tie_word_embeddings", False):
+            return None
+        return dataclasses.replace(config, tie_word_embeddings=False)
 
     @property
     def max_positions(self) -> int | None:

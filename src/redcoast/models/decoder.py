@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -107,6 +108,11 @@ class DecoderConfig(hf.HFConfig):
     # that means what it computes anyway: another value asks for a variant neither
     # transformers nor redcoast implements, an error rather than a model ignoring it.
     unread: ClassVar[dict[str, Any]] = {"mlp_bias": False, "attention_bias": False}
+    token_ids: ClassVar[Mapping[str, int | None]] = {
+        "pad_token_id": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -397,7 +403,7 @@ class Decoder(AbstractCausalLM):
 
     config_class: ClassVar[type[hf.HFConfig]] = DecoderConfig
     hf_base_prefix: ClassVar[str] = "model."
-    tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
+    tied_hf_tensors: ClassVar[Mapping[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
 
     @classmethod
     def build(cls, config: DecoderConfig, how: LayerOptions, key: PRNGKeyArray) -> CausalLMParts:
@@ -407,7 +413,7 @@ class Decoder(AbstractCausalLM):
         block = functools.partial(_block, c, remat=how.remat, attention=how.attention)
         return CausalLMParts(
             embed_tokens=token_embeddings(
-                c, c.hidden_size, std, key=kt, padding_idx=c.get_extra("pad_token_id")
+                c, c.hidden_size, std, key=kt, padding_idx=c.token_id("pad_token_id")
             ),
             embed_positions=None,
             blocks=make_stack(block, c.num_hidden_layers, scan_layers=how.scan_layers, key=kb),

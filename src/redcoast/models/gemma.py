@@ -7,6 +7,7 @@ local layers rotate with their own base)."""
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from . import hf
@@ -31,6 +32,11 @@ class Gemma2Config(DecoderConfig):
 
     model_type: ClassVar[str] = "gemma2"
     architecture: ClassVar[str] = "Gemma2ForCausalLM"
+    token_ids: ClassVar[Mapping[str, int | None]] = {
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    }
     norm_offset: ClassVar[bool] = True
     post_norms: ClassVar[bool] = True
 

@@ -1,7 +1,9 @@
-"""GPT-2 (Radford et al. 2019): learned positions, pre-LayerNorm, GELU MLP, tied head."""
+"""GPT-2 (Radford et al. 2019): learned positions, pre-LayerNorm, GELU MLP, a head tied to
+the token table (or its own, `tie_word_embeddings=False`)."""
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import ClassVar
 
 import equinox as eqx
@@ -11,7 +13,7 @@ from jaxtyping import PRNGKeyArray
 from . import hf
 from ._stack import make_stack
 from .causal_lm import AbstractCausalLM, CausalLMParts, LayerOptions
-from .init import normal_init, token_embeddings
+from .init import normal_init, token_embeddings, vocab_head
 from .layers import MLP, Attention, DecoderBlock, activation
 from .seq2seq import DecoderLayer, Seq2SeqAttention
 
@@ -29,6 +31,11 @@ class GPTConfig(hf.HFConfig):
         "n_inner",
     )
     divides: ClassVar[tuple[tuple[str, str], ...]] = (("n_head", "n_embd"),)
+    token_ids: ClassVar[Mapping[str, int | None]] = {
+        "pad_token_id": None,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+    }
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -73,7 +80,6 @@ class GPT2Config(GPTConfig):
         self._require(
             scale_attn_weights=(self.scale_attn_weights, True),
             scale_attn_by_inverse_layer_idx=(self.scale_attn_by_inverse_layer_idx, False),
-            tie_word_embeddings=(self.tie_word_embeddings, True),
         )
 
 
@@ -95,7 +101,7 @@ class GPT2(AbstractCausalLM):
 
     config_class: ClassVar[type[hf.HFConfig]] = GPT2Config
     hf_base_prefix: ClassVar[str] = "transformer."
-    tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
+    tied_hf_tensors: ClassVar[Mapping[str, str]] = {"lm_head.weight": "transformer.wte.weight"}
 
     @classmethod
     def build(cls, config: GPT2Config, how: LayerOptions, key: PRNGKeyArray) -> CausalLMParts:
@@ -106,7 +112,7 @@ class GPT2(AbstractCausalLM):
                 "rc.models.from_hf (a VisionEncoderDecoder), or set add_cross_attention=False."
             )
         c = config
-        kt, kp, kb = jax.random.split(key, 3)
+        kt, kp, kb, kh = jax.random.split(key, 4)
         eps = c.layer_norm_epsilon
         std = c.initializer_range
         residual_std = std / math.sqrt(2 * c.n_layer)
@@ -146,19 +152,22 @@ class GPT2(AbstractCausalLM):
             embed_positions=normal_init(positions, std, key=kp),
             blocks=make_stack(block, c.n_layer, scan_layers=how.scan_layers, key=kb),
             norm=eqx.nn.LayerNorm(c.n_embd, eps=eps),
-            lm_head=None,
+            lm_head=vocab_head(c, c.n_embd, std, key=kh),
         )
 
     @classmethod
     def hf_tensors(cls, config: GPT2Config) -> list[hf.TensorMap]:
         """GPT-2's checkpoint names; its Linears are `Conv1D`s stored `(in, out)`."""
-        return [
+        maps = [
             hf.vocab_rows("transformer.wte.weight", "embed_tokens.weight", config),
             hf.same("transformer.wpe.weight", "embed_positions.weight"),
             *block_tensors("transformer.h.{i}.", cross=False),
             hf.same("transformer.ln_f.weight", "norm.weight"),
             hf.same("transformer.ln_f.bias", "norm.bias"),
         ]
+        if not config.tie_word_embeddings:
+            maps.append(hf.vocab_rows("lm_head.weight", "lm_head.weight", config))
+        return maps
 
 
 def block_tensors(h: str, *, cross: bool) -> list[hf.TensorMap]:

@@ -18,13 +18,15 @@ reading a folder's tensors by name in `_hf_folder.py`; this module re-exports
 their public names.
 """
 
+import abc
 import dataclasses
 import functools
 import json
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypedDict, TypeVar, Unpack
+from typing import Any, ClassVar, TypedDict, TypeVar, Unpack
 
 import equinox as eqx
 import jax
@@ -48,7 +50,7 @@ from ._hf_config import read_config as read_config
 from ._hf_folder import INDEX as INDEX
 from ._hf_folder import SAFETENSORS as SAFETENSORS
 from ._hf_folder import MissingTensorError as MissingTensorError
-from ._hf_folder import SavedTensors
+from ._hf_folder import SavedTensors as SavedTensors
 from ._tensor_maps import TensorMap as TensorMap
 from ._tensor_maps import conv1d as conv1d
 from ._tensor_maps import experts as experts
@@ -195,6 +197,62 @@ class HFModel(eqx.Module):
     tensors (`hf_tensors`) and gives its `config_class`.
     """
 
+    # Checkpoint tensors that store a copy of another, the copy's name -> the
+    # original's (a tied head's `lm_head.weight` -> the token table): not read while
+    # the model ties them, and compared with the original on loading (`stored_config`).
+    tied_hf_tensors: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    @abc.abstractmethod
+    def hf_tensors(cls, config: Any) -> list[TensorMap]:
+        """How this architecture's arrays map to a `transformers` checkpoint's tensors."""
+
+    @classmethod
+    def untied(cls, config: Any) -> Any | None:
+        """`config` with an array of its own for each tied copy (`tied_hf_tensors`), for a
+        checkpoint that stores the copies with other values; `None` (the default) where
+        the architecture has one array for both."""
+        del config
+        return None
+
+    @classmethod
+    def stored_config(cls, config: Any, checkpoint: SavedTensors) -> Any:
+        """`config`, read from config.json, made to describe what the checkpoint stores.
+
+        A tied copy (`tied_hf_tensors`) stored with values other than its original's
+        (both compared as saved) is the model's own weight, as `transformers` takes
+        it: the model is loaded `untied`, with a warning, or refused where the
+        architecture cannot hold it. Architectures with parts a checkpoint may leave
+        out (ViT's pooler) extend this.
+
+        Raises:
+            ValueError: a copy differs from its original and the architecture has one
+                array for both.
+        """
+        differing = _differing_copies(cls, config, checkpoint)
+        if not differing:
+            return config
+        untied = cls.untied(config)
+        ties = " and ".join(f"{copy!r} to {original!r}" for copy, original in differing.items())
+        held = set() if untied is None else {m.hf for m in cls.hf_tensors(untied)}
+        if not held >= differing.keys():
+            raise ValueError(
+                f"config.json in {checkpoint.folder} ties {ties}, but the checkpoint stores "
+                f"them with different values, and {cls.__name__} has one array for both: "
+                "loading would drop the stored copy, a model redcoast cannot represent. "
+                "Make each copy equal to its original, or leave it out of the checkpoint "
+                "(as save_pretrained writes a tied model)."
+            )
+        warnings.warn(
+            f"config.json in {checkpoint.folder} ties {ties} (tie_word_embeddings), but the "
+            f"checkpoint stores them with different values: {cls.__name__} is loaded untied, "
+            "each a weight of its own, as transformers does, and to_hf writes it untied. "
+            'Set "tie_word_embeddings": false in config.json to load it without this warning.',
+            UserWarning,
+            stacklevel=2,
+        )
+        return untied
+
     @classmethod
     def from_hf(cls: type[_HFModel], path: str | Path, **options: Unpack[LoadOptions]) -> _HFModel:
         """Load a `transformers` `save_pretrained` folder (config.json + safetensors).
@@ -216,9 +274,15 @@ class HFModel(eqx.Module):
 
         Raises:
             ValueError: config.json describes another architecture or an unsupported
-                variant, or a tensor's shape does not match config.json.
+                variant, a tensor's shape does not match config.json, or the checkpoint
+                stores a tied copy with values of its own that the architecture cannot
+                hold (see `stored_config`).
             MissingTensorError: a tensor the model needs is not in the checkpoint.
             TypeError: an option that `LoadOptions` does not name.
+
+        Warns:
+            UserWarning: config.json ties the head, but the checkpoint stores one of its
+                own: the model is loaded untied, as `transformers` loads it.
 
         Example:
             >>> model = rc.models.Llama.from_hf("tiny-llama", mesh=rc.make_mesh(2))
@@ -257,6 +321,8 @@ def load(cls: Any, path: str | Path, **options: Unpack[LoadOptions]) -> Any:
     config = dataclasses.replace(cls.config_class.from_dict(values), vocab_multiple=vocab_multiple)
     if hasattr(config, "vocab_size"):  # a ViT has no vocabulary
         config.padded_vocab_size  # noqa: B018 - checks vocab_multiple before anything is read
+    checkpoint = SavedTensors(folder, cls.hf_base_prefix)
+    config = cls.stored_config(config, checkpoint)
     skeleton = eqx.filter_eval_shape(
         cls, config, scan_layers=scan_layers, remat=remat, key=jax.random.key(0)
     )
@@ -264,7 +330,6 @@ def load(cls: Any, path: str | Path, **options: Unpack[LoadOptions]) -> Any:
     maps = cls.hf_tensors(config)
     layers = {m.stack: _layer_count(skeleton, m.stack) for m in maps if m.per_layer}
     sources = _sources(maps, layers)
-    checkpoint = SavedTensors(folder, cls.hf_base_prefix)
     shardings = {} if mesh is None else _shardings(cls, skeleton, mesh, specs, fsdp)
     quantized = _layer_linears(skeleton, sources) if quantize is not None else set()
 
@@ -383,15 +448,35 @@ def _convert(
         ) from err
 
 
-# Buffers some transformers versions save next to the weights; they hold no parameters.
-_BUFFERS = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
+# What some transformers versions save next to the weights and no model reads: buffers
+# (GPT-2's attention masks, rotary frequencies) and T5's cross-attention position bias.
+_UNREAD = re.compile(
+    r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq"
+    r"|^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight)$"
+)
+
+
+def _differing_copies(cls: Any, config: Any, checkpoint: SavedTensors) -> dict[str, str]:
+    """The tied copies the checkpoint stores that `config`'s model does not read, whose
+    values differ from their originals' (copy -> original). Reading marks each copy
+    used: one equal to its original is accounted for, not an unused tensor."""
+    read = {m.hf for m in cls.hf_tensors(config)}
+    return {
+        copy: original
+        for copy, original in cls.tied_hf_tensors.items()
+        if copy not in read
+        and copy in checkpoint
+        and original in checkpoint
+        and not np.array_equal(
+            checkpoint.get(copy, f"comparing with {original}"),
+            checkpoint.get(original, f"comparing with {copy}"),
+        )
+    }
 
 
 def _check_unused(checkpoint: SavedTensors, cls: Any, folder: Path) -> None:
     unused = sorted(
-        k
-        for k in checkpoint.where
-        if k not in checkpoint.used and not _BUFFERS.search(k) and k not in cls.tied_hf_tensors
+        k for k in checkpoint.where if k not in checkpoint.used and not _UNREAD.search(k)
     )
     if unused:
         raise ValueError(

@@ -1,6 +1,7 @@
 """OPT (Zhang et al. 2022): learned positions offset by 2, pre-LayerNorm, ReLU MLP, tied head."""
 
 import dataclasses
+from collections.abc import Mapping
 from typing import ClassVar
 
 import equinox as eqx
@@ -40,6 +41,11 @@ class OPTConfig(hf.HFConfig):
         "word_embed_proj_dim",
     )
     divides: ClassVar[tuple[tuple[str, str], ...]] = (("num_attention_heads", "hidden_size"),)
+    token_ids: ClassVar[Mapping[str, int | None]] = {
+        "pad_token_id": 1,
+        "bos_token_id": 2,
+        "eos_token_id": 2,
+    }
 
     vocab_size: int = 50272
     hidden_size: int = 768
@@ -86,7 +92,9 @@ class OPT(AbstractCausalLM):
     config_class: ClassVar[type[hf.HFConfig]] = OPTConfig
     hf_base_prefix: ClassVar[str] = "model."
     position_offset: ClassVar[int] = 2
-    tied_hf_tensors: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
+    tied_hf_tensors: ClassVar[Mapping[str, str]] = {
+        "lm_head.weight": "model.decoder.embed_tokens.weight"
+    }
 
     @classmethod
     def build(cls, config: OPTConfig, how: LayerOptions, key: PRNGKeyArray) -> CausalLMParts:
@@ -124,7 +132,7 @@ class OPT(AbstractCausalLM):
         )
         return CausalLMParts(
             embed_tokens=token_embeddings(
-                c, c.hidden_size, std, key=kt, padding_idx=c.get_extra("pad_token_id", 1)
+                c, c.hidden_size, std, key=kt, padding_idx=c.token_id("pad_token_id")
             ),
             embed_positions=normal_init(positions, std, key=kp),
             blocks=make_stack(block, c.num_hidden_layers, scan_layers=how.scan_layers, key=kb),

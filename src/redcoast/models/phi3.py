@@ -6,6 +6,7 @@ on saving. LongRoPE (`rope_scaling` of type `longrope`, the 128k models) and a
 partial rotation (`partial_rotary_factor`) as transformers has them."""
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from . import hf
@@ -31,6 +32,11 @@ class Phi3Config(DecoderConfig):
 
     model_type: ClassVar[str] = "phi3"
     architecture: ClassVar[str] = "Phi3ForCausalLM"
+    token_ids: ClassVar[Mapping[str, int | None]] = {
+        "pad_token_id": 32000,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+    }
     fused_projections: ClassVar[bool] = True
     partial_rotation: ClassVar[bool] = True
 

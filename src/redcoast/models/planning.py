@@ -23,7 +23,7 @@ from ..nn._loss import cross_entropy
 from ..parallel._sharding_plan import ShardingPlan
 from ..plan import planner
 from ..plan._report import Layout, LoRA, MemoryPlan
-from .auto import ARCHITECTURES
+from .auto import model_class
 from .dit import DiT, DiTConfig, noise_prediction_loss
 from .hf import HFConfig, read_config
 from .loss import lm_loss
@@ -38,18 +38,10 @@ Plannable = str | HFConfig | DiTConfig | planner.PlannedModel | Callable[[PRNGKe
 config (a `DiTConfig` too), a `PlannedModel`, or a factory `key -> causal LM`."""
 
 
-def _class_of(model_type: Any) -> type[Any]:
-    if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"model_type {model_type!r} is not in the zoo; supported: {sorted(ARCHITECTURES)}."
-        )
-    return ARCHITECTURES[model_type]
-
-
 def _resolve(model: str | HFConfig) -> tuple[str, type[Any], HFConfig]:
     """A preset name, a config.json (or its folder), or a config -> (name, class, config)."""
     if isinstance(model, HFConfig):
-        return type(model).__name__, _class_of(model.model_type), model
+        return type(model).__name__, model_class(model.to_dict(), type(model).__name__), model
     if model in PRESETS:
         cls, config = preset(model)
         return model, cls, config
@@ -57,7 +49,7 @@ def _resolve(model: str | HFConfig) -> tuple[str, type[Any], HFConfig]:
     if path.is_file() or (path / "config.json").is_file():
         folder = path if path.is_dir() else path.parent
         values = read_config(folder if path.is_dir() else path)
-        cls = _class_of(values.get("model_type"))
+        cls = model_class(values, str(model))
         return str(model), cls, cls.config_class.from_dict(values)
     raise ValueError(
         f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) and not a config.json."

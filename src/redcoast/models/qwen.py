@@ -4,6 +4,7 @@ before the rotation (Qwen 3), and optional sliding windows on the layers from
 `max_window_layers` up."""
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from . import hf
@@ -28,6 +29,9 @@ class Qwen2Config(DecoderConfig):
 
     model_type: ClassVar[str] = "qwen2"
     architecture: ClassVar[str] = "Qwen2ForCausalLM"
+    token_ids: ClassVar[Mapping[str, int | None]] = dict.fromkeys(
+        ("pad_token_id", "bos_token_id", "eos_token_id")
+    )
 
     vocab_size: int = 151936
     intermediate_size: int = 22016

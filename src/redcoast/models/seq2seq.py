@@ -252,13 +252,7 @@ class AbstractSeq2SeqLM(hf.HFModel):
     remat: eqx.AbstractVar[RematPolicy]
 
     config_class: ClassVar[type[hf.HFConfig]]
-    tied_hf_tensors: ClassVar[tuple[str, ...]] = ()
     hf_base_prefix: ClassVar[str] = ""
-
-    @classmethod
-    @abc.abstractmethod
-    def hf_tensors(cls, config: Any) -> list[hf.TensorMap]:
-        """How this architecture's arrays map to a `transformers` checkpoint's tensors."""
 
     @abc.abstractmethod
     def _embed(

@@ -3,6 +3,7 @@ pre-RMSNorm blocks without biases, ReLU or gated-GELU feed-forward networks."""
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import ClassVar
 
 import equinox as eqx
@@ -149,13 +150,11 @@ class T5(AbstractSeq2SeqLM):
     lm_head: eqx.nn.Linear | None
 
     config_class: ClassVar[type[hf.HFConfig]] = T5Config
-    tied_hf_tensors: ClassVar[tuple[str, ...]] = (
-        "encoder.embed_tokens.weight",
-        "decoder.embed_tokens.weight",
-        "lm_head.weight",
-        # Saved by old transformers versions, never used by the model.
-        "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
-    )
+    tied_hf_tensors: ClassVar[Mapping[str, str]] = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+        "lm_head.weight": "shared.weight",
+    }
 
     def __init__(
         self,

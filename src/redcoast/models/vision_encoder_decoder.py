@@ -71,6 +71,12 @@ class VisionEncoderDecoderConfig(hf.HFConfig):
                 "VisionEncoderDecoderConfig: the decoder has add_cross_attention=False, so it "
                 "cannot attend to the image; build its GPT2Config with add_cross_attention=True."
             )
+        if not self.decoder.tie_word_embeddings:
+            raise ValueError(
+                "VisionEncoderDecoderConfig: the decoder has tie_word_embeddings=False, a head "
+                "of its own, which redcoast's captioner does not have: its logits come from "
+                "the decoder's token table. Build its GPT2Config with tie_word_embeddings=True."
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -129,7 +135,9 @@ class VisionEncoderDecoder(AbstractSeq2SeqLM):
     lm_head: eqx.nn.Linear | None
 
     config_class: ClassVar[type[hf.HFConfig]] = VisionEncoderDecoderConfig
-    tied_hf_tensors: ClassVar[tuple[str, ...]] = ("decoder.lm_head.weight",)
+    tied_hf_tensors: ClassVar[Mapping[str, str]] = {
+        "decoder.lm_head.weight": "decoder.transformer.wte.weight"
+    }
 
     def __init__(
         self,
@@ -278,7 +286,7 @@ class VisionEncoderDecoder(AbstractSeq2SeqLM):
                 hf.same(f"enc_to_dec_proj.{p}", f"enc_to_dec_proj.{p}") for p in ("weight", "bias")
             ]
         return [
-            *ViT.hf_tensors(config.encoder, prefix="encoder."),
+            *ViT.hf_tensors(config.encoder, prefix="encoder.", ours="encoder."),
             *proj,
             hf.vocab_rows(t + "wte.weight", "embed_tokens.weight", config),
             hf.same(t + "wpe.weight", "embed_positions.weight"),
