@@ -3,6 +3,8 @@ newest supported Python and JAX), `nox -s slow`, `nox -s exhaustive`, `nox -s li
 `nox -s multihost`, `nox -s bench`, `nox -s bench_peer`, `nox -s bench_maxtext`,
 `nox -s examples`."""
 
+import json
+import tomllib
 from pathlib import Path
 
 import nox
@@ -39,14 +41,67 @@ JAX_MATRIX = [("3.11", "0.10.2"), ("3.13", "0.12.0.1")]
 HF_PYTHONS = ("3.11",)
 
 
+# The packages a first install spends its minutes on, largest first, with their sizes
+# (Linux x86-64 wheels for Python 3.11).
+LARGE = {
+    "torch": "PyTorch, CPU build: 190 MB to download, 750 MB installed",
+    "libtpu": "the TPU compiler: 210 MB to download, 700 MB installed",
+    "jaxlib": "JAX's XLA compiler: 85 MB to download, 350 MB installed",
+    "pyarrow": "Arrow, for datasets: 50 MB to download, 170 MB installed",
+    "transformers": "13 MB to download, 130 MB installed",
+    "bitsandbytes": "125 MB installed",
+    "scipy": "36 MB to download, 110 MB installed",
+}
+
+
+def _requirements(args: tuple[str, ...]) -> list[str]:
+    """`pip install ARGS` with `-e .[extras]` spelt out as pyproject.toml's requirements,
+    so that pip can say what it would install without building redcoast first."""
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    out, words = [], iter(args)
+    for word in words:
+        if word != "-e":
+            out.append(word)
+            continue
+        extras = next(words).partition("[")[2].rstrip("]")
+        out += project["dependencies"]
+        out += [r for e in extras.split(",") if e for r in project["optional-dependencies"][e]]
+    return out
+
+
+def _install(session: nox.Session, what: str, *args: str) -> None:
+    """`pip install ARGS`, naming what goes in, the large packages first.
+
+    nox shows none of pip's output, so a first install (20 minutes on a busy machine)
+    would say nothing throughout. pip says first what it would install; the `LARGE`
+    packages among them go in one at a time, each named with its size and with pip's
+    own output (its download bar in a terminal), then the rest. A reused environment
+    has them all: one line.
+    """
+    report = Path(session.create_tmp()) / "pip-report.json"
+    report.unlink(missing_ok=True)
+    dry = ("python", "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report))
+    # Skipped by --no-install; not echoed: a reused environment's install stays one line.
+    session.run_install(*dry, *_requirements(args), silent=True, log=False)
+    planned = json.loads(report.read_text())["install"] if report.exists() else []
+    versions = {p["metadata"]["name"].lower(): p["metadata"]["version"] for p in planned}
+    large = [(name, size) for name, size in LARGE.items() if name in versions]
+    if large:
+        names = ", ".join(name for name, _ in large)
+        session.log(f"first the large packages, one at a time: {names}")
+    for i, (name, size) in enumerate(large, 1):
+        session.log(f"installing {name} {versions[name]} ({i} of {len(large)}): {size}")
+        session.install(f"{name}=={versions[name]}", "--no-deps", silent=False)
+    rest = len(versions) - len(large)
+    more = f" ({rest} more package{'s' * (rest > 1)})" if rest else ""
+    session.log(f"installing {what}{more}")
+    session.install(*args)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
-    session.log(
-        "installing redcoast with its test and hf extras: JAX, PyTorch (CPU), transformers, "
-        "datasets (about 2 GB, a few minutes the first time; later runs reuse .nox/tests)"
-    )
-    session.install("-e", ".[test,hf]")
+    _install(session, "redcoast with its test and hf extras", "-e", ".[test,hf]")
     session.run("pytest", *WORKERS, *FAST, *session.posargs, env=FAST_COMPILE)
 
 
@@ -61,11 +116,8 @@ def jax_matrix(session: nox.Session, jax: str) -> None:
     skipped there and run in the 3.11 session.
     """
     extras = "test,hf" if session.python in HF_PYTHONS else "test"
-    session.log(
-        f"installing redcoast[{extras}] with JAX {jax} on Python {session.python}"
-        + (" (PyTorch and transformers: about 2 GB the first time)" if "hf" in extras else "")
-    )
-    session.install("-e", f".[{extras}]", f"jax=={jax}", f"jaxlib=={jax}")
+    what = f"redcoast[{extras}] with JAX {jax} on Python {session.python}"
+    _install(session, what, "-e", f".[{extras}]", f"jax=={jax}", f"jaxlib=={jax}")
     session.run("pytest", *WORKERS, *FAST, *session.posargs, env=FAST_COMPILE)
 
 
@@ -73,11 +125,8 @@ def jax_matrix(session: nox.Session, jax: str) -> None:
 def slow(session: nox.Session) -> None:
     """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI,
     and plans compiled by the TPU compiler (the `tpu` extra)."""
-    session.log(
-        "installing redcoast with its test, examples, hf and tpu extras: PyTorch (CPU), "
-        "transformers, gymnax, scikit-learn, libtpu (about 3 GB the first time; reused after)"
-    )
-    session.install("-e", ".[test,examples,hf,tpu]")
+    what = "redcoast with its test, examples, hf and tpu extras"
+    _install(session, what, "-e", ".[test,examples,hf,tpu]")
     session.run(
         "pytest",
         *WORKERS,
@@ -92,24 +141,21 @@ def slow(session: nox.Session) -> None:
 def exhaustive(session: nox.Session) -> None:
     """The slow checks `slow` runs on a few cases, on every case: every model family, 2
     and 8 devices, and the masks, meshes and layouts tests/conftest.py's `LATER` names."""
-    session.log("installing redcoast with its test and hf extras: PyTorch (CPU), transformers")
-    session.install("-e", ".[test,hf]")
+    _install(session, "redcoast with its test and hf extras", "-e", ".[test,hf]")
     session.run("pytest", *WORKERS, "-m", "exhaustive", *session.posargs, env=FAST_COMPILE)
 
 
 @nox.session
 def multihost(session: nox.Session) -> None:
     """Real multi-process jobs: 2 x 4 and 4 x 2 processes x devices against 1 x 8."""
-    session.log("installing redcoast with its test extra (JAX, pytest; a minute the first time)")
-    session.install("-e", ".[test]")
+    _install(session, "redcoast with its test extra", "-e", ".[test]")
     session.run("pytest", "-m", "multihost", "tests/multihost", *session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check and pyright on src/."""
-    session.log("installing redcoast with ruff, pyright and nox (a minute the first time)")
-    session.install("-e", ".[dev]")
+    _install(session, "redcoast with ruff, pyright and nox", "-e", ".[dev]")
     session.run("ruff", "check", "src", "tests", "scripts", "examples", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "scripts", "examples", "noxfile.py")
     session.run("pyright", "src")
@@ -118,8 +164,8 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks in scripts/: each prints a table and writes JSON under bench-results/."""
-    session.log("installing redcoast[hf] and datasets for the benchmarks (about 2 GB once)")
-    session.install("-e", ".[hf]", "datasets>=3")  # bench_text's recipe is datasets'
+    # bench_text's recipe is datasets'.
+    _install(session, "redcoast[hf] and datasets", "-e", ".[hf]", "datasets>=3")
     for script in sorted(Path("scripts").glob("bench_*.py")):
         # The peers (redco, MaxText) are never installed here: they have their own sessions.
         if script.name not in ("bench_peer.py", "bench_maxtext.py"):
@@ -133,8 +179,8 @@ def bench_peer(session: nox.Session) -> None:
     redco, Flax and tqdm (which redco imports without declaring it) go into this
     session's environment only; they are never dependencies of redcoast.
     """
-    session.log("installing redco 0.4.23, Flax and tqdm beside redcoast (this session only)")
-    session.install("-e", ".", "redco==0.4.23", "flax", "tqdm")
+    what = "redco 0.4.23, Flax and tqdm beside redcoast (this session only)"
+    _install(session, what, "-e", ".", "redco==0.4.23", "flax", "tqdm")
     session.run("python", "scripts/bench_peer.py", *session.posargs, env=SIMULATED)
 
 
@@ -154,10 +200,7 @@ def bench_maxtext(session: nox.Session) -> None:
     compiled for a v5e-8 by the TPU compiler, on this CPU machine), in this session's
     environment only; none of it is ever a dependency of redcoast.
     """
-    session.log(
-        "installing MaxText 0.2.5, then its CPU requirements and libtpu (several minutes once)"
-    )
-    session.install("--no-deps", MAXTEXT[0])
+    _install(session, "MaxText 0.2.5 alone", "--no-deps", MAXTEXT[0])
     requirements = session.run_install(
         "python",
         "-c",
@@ -168,14 +211,13 @@ def bench_maxtext(session: nox.Session) -> None:
         silent=True,
     )
     assert isinstance(requirements, str)
-    session.install("-r", requirements.strip(), *MAXTEXT[1:])
-    session.install("-e", ".", *MAXTEXT[1:])
+    _install(session, "MaxText's CPU requirements", "-r", requirements.strip(), *MAXTEXT[1:])
+    _install(session, "redcoast beside it", "-e", ".", *MAXTEXT[1:])
     session.run("python", "scripts/bench_maxtext.py", *session.posargs, env=SIMULATED)
 
 
 @nox.session
 def examples(session: nox.Session) -> None:
     """Every example at full length (minutes each): checks its bar, writes examples/RESULTS.md."""
-    session.log("installing redcoast with the examples' packages: gymnax, scikit-learn, ...")
-    session.install("-e", ".[examples]")
+    _install(session, "redcoast with the examples' packages", "-e", ".[examples]")
     session.run("python", "scripts/run_examples.py", *session.posargs)

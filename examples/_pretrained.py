@@ -43,8 +43,8 @@ def base_checkpoint(folder: str, *, n_model_shards: int = 2, steps: int = 200) -
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
     print(
-        f"no checkpoint in {out}: pretraining one first, {steps} steps (a BPE tokenizer and a "
-        "small GPT-2 on Python's documentation; made once, then reused)",
+        f"no checkpoint in {out}: pretraining one first, {steps} step{'s' * (steps != 1)} (a BPE "
+        "tokenizer and a small GPT-2 on Python's documentation; made once, then reused)",
         flush=True,
     )
     texts = [topics[k] for k in sorted(topics)]

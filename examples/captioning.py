@@ -141,8 +141,7 @@ def main(
     folder = f"{workdir or tempfile.mkdtemp()}/hf"
     result.model.to_hf(folder)  # transformers.VisionEncoderDecoderModel.from_pretrained(folder)
     print("saved for transformers in", folder)
-    final = result.history["eval"][-1]
-    return {k: final[f"eval_{k}"] for k in ("rougeL", "exact")}
+    return {k: result.history["eval"][-1][f"eval_{k}"] for k in ("rougeL", "exact")}
 
 
 if __name__ == "__main__":

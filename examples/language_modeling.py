@@ -120,15 +120,10 @@ def main(
     )
     if result.stopped_by is not None:  # SIGTERM or Ctrl-C: a checkpoint was saved
         return {"stopped_after_step": result.step}
-    how = {
-        "collate_fn": collate_fn,
-        "mesh": mesh,
-        "per_device_batch_size": 4 * per_device_batch_size,
-    }
+    how = dict(collate_fn=collate_fn, mesh=mesh, per_device_batch_size=4 * per_device_batch_size)
     losses = rc.predict(result.model, val, pred_fn=pred_fn, **how)
     val_nats = float(np.mean([float(x) for x in losses]))
     baseline = unigram_nats(train, val)
-    below = 1 - val_nats / baseline
     print(
         f"validation: {val_nats:.3f} nats/byte ({val_nats / math.log(2):.2f} bits); unigram "
         f"baseline {baseline:.3f}; {versus_baseline(val_nats, baseline)}"
@@ -141,7 +136,7 @@ def main(
     return {
         "val_nats_per_byte": val_nats,
         "unigram_nats_per_byte": baseline,
-        "below_unigram": below,
+        "below_unigram": 1 - val_nats / baseline,
         **rc.median_speed(result.history["train"]),  # tokens_per_s, step_s (and mfu)
     }
 

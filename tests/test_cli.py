@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 import redcoast as rc
-from redcoast import _examples
+from redcoast import _examples, cli
 from redcoast.cli import main
 
 
@@ -14,6 +14,19 @@ def test_version() -> None:
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0
     assert rc.__version__ in result.output
+
+
+def test_devices_default_to_the_ones_xla_flags_force_as_redcoast_launch_sets_them(
+    monkeypatch,
+) -> None:
+    asked = []
+    monkeypatch.setattr(rc.distributed._simulated, "simulate_devices", asked.append)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_foo=1")
+    cli._simulate_devices(None)
+    cli._simulate_devices(2)  # given: as given
+    monkeypatch.delenv("XLA_FLAGS")
+    cli._simulate_devices(None)
+    assert asked == [4, 2, 8]
 
 
 def test_run_help_lists_every_example_with_one_line() -> None:

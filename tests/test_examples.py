@@ -1,9 +1,12 @@
 """Every example runs a few steps through `redcoast run` (the full runs: `nox -s examples`)."""
 
+import importlib.util
 import json
 import re
 import shlex
 import sysconfig
+import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +16,12 @@ from tiny_checkpoint import tiny_gpt2
 
 import redcoast as rc
 from redcoast import _examples, cli
+from redcoast._progress import ENV_SECONDS
 from redcoast.cli import main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES, COUNT_LINES = ROOT / "examples", ROOT / "scripts" / "count_lines.py"
 
 # Options small enough for a smoke run of each example on 8 simulated CPU devices.
 SMOKE = {
@@ -72,6 +78,9 @@ def _demo_runs(times: int) -> list:
         assert "val_nats_per_byte" in result.output
         assert "compiling the train step… " in result.output
         assert "tokens/s" in result.output and "tokens_per_s" in result.output  # bar and metrics
+        lines = result.output.splitlines()
+        assert not [line for line in lines if "steps/s" in line and "s/step" in line]
+        assert "no MFU: a CPU's peak FLOP/s is not assumed" in result.output
     runs = sorted((Path.cwd() / "runs" / "demo").iterdir())
     assert len(runs) == times and all((r / "metrics.jsonl").is_file() for r in runs)
     return runs
@@ -92,6 +101,18 @@ def test_every_example_has_a_smoke_test():
     listing = CliRunner().invoke(main, ["run", "--help"]).output
     names = listing.split("Examples:")[1].split()
     assert set(SMOKE) | {"language_modeling", "finetune", "preference"} <= set(names)
+
+
+def test_every_example_stays_within_its_lines_of_code():
+    spec = importlib.util.spec_from_file_location("count_lines", COUNT_LINES)
+    assert spec is not None and spec.loader is not None
+    counting = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counting)
+    # 120 lines of code each; finetune.py, the whole fine-tuning job, its size today.
+    assert counting.limit("finetune") == 208 and counting.limit("ppo") == counting.LIMIT == 120
+    sizes = {p.stem: counting.code_lines(p.read_text()) for p in EXAMPLES.glob("*.py")}
+    over = {name: n for name, n in sizes.items() if n > counting.limit(name)}
+    assert len(sizes) >= 12 and not over, f"examples over their bound (count_lines.py): {over}"
 
 
 def test_finetune_refuses_an_unknown_packing_before_any_work(tmp_path, monkeypatch):
@@ -234,7 +255,7 @@ def test_the_demo_says_above_the_baseline_when_it_is_worse():
 def test_a_stopped_demo_says_the_command_that_continues_it(tmp_path, monkeypatch):
     given = []
 
-    def stopped(name, devices, kwargs, metrics_json=None):
+    def stopped(name, kwargs, metrics_json=None, *, command):
         given.append(kwargs)
         return {"stopped_after_step": 7}
 
@@ -248,6 +269,24 @@ def test_a_stopped_demo_says_the_command_that_continues_it(tmp_path, monkeypatch
     assert given[-1] == {"n_model_shards": 2, "max_steps": 100, "workdir": workdir, "resume": True}
     bad = CliRunner().invoke(main, ["demo", "--resume"])
     assert bad.exit_code == 2 and "name its folder with --workdir" in bad.output
+
+
+def test_an_example_silent_for_a_while_is_said_to_be_still_working(tmp_path, monkeypatch):
+    def quiet_main(**kwargs):
+        time.sleep(1.0)  # builds its model, say, printing nothing
+        return {"loss": 0.5}
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ENV_SECONDS, "0.2")
+    monkeypatch.setattr(
+        _examples, "load_example", lambda name: types.SimpleNamespace(main=quiet_main)
+    )
+    result = CliRunner().invoke(main, ["demo", "--max-steps", "1"])
+    assert result.exit_code == 0, result.output
+    workdir, *working, metrics, loss = result.output.splitlines()
+    assert workdir.startswith("workdir: runs/demo/run-") and working
+    assert all(line.startswith("redcoast demo: still working, ") for line in working)
+    assert (metrics, loss) == ("metrics:", "  loss  0.5")
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import equinox as eqx
@@ -17,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
+from redcoast._progress import ENV_SECONDS
 from redcoast.cli import main
 from redcoast.plan._targets import StepEstimate
 
@@ -198,7 +200,10 @@ def test_a_lora_plan_keeps_optimizer_state_for_the_adapters_only() -> None:
     assert f"{lora.n_trainable:,} trainable parameters" in str(lora)
 
 
-def test_cli_plans_lora_and_refuses_a_target_that_matches_nothing() -> None:
+def test_cli_plans_lora_and_refuses_a_target_that_matches_nothing(monkeypatch) -> None:
+    """And piped to a log, `redcoast plan` says every interval that it is still
+    compiling, on the clock its last line's time is read from: never less than they said."""
+    monkeypatch.setenv(ENV_SECONDS, "0.5")
     ran = CliRunner().invoke(
         main,
         [
@@ -209,6 +214,10 @@ def test_cli_plans_lora_and_refuses_a_target_that_matches_nothing() -> None:
     assert ran.exit_code == 0, ran.output
     assert "LoRA rank 4 on q_proj, v_proj, frozen weights bfloat16" in ran.output
     assert "blocks.attn.q_proj.lora_a.weight" in ran.output  # --specs shows the adapters
+    beats = [int(m) for m in re.findall(r"compiling the train step: (\d+)s so far", ran.output)]
+    (last,) = [line for line in ran.output.splitlines() if line.startswith("compiled ")]
+    took = re.fullmatch(r"compiled the train step in ([0-9.]+) s", last)
+    assert beats and took is not None and max(beats) <= float(took.group(1)) + 0.5
     bad = CliRunner().invoke(main, ["plan", "gpt2", "--lora-rank", "4", "--lora-targets", "qkv"])
     assert bad.exit_code != 0 and "match no eqx.nn.Linear" in bad.output
     assert "Traceback" not in bad.output
@@ -259,6 +268,21 @@ def test_the_cli_plans_context_parallelism(tmp_path: Path) -> None:
 def one_plan() -> rc.MemoryPlan:
     """One compiled plan, whose figures the search tests give every layout."""
     return rc.memory_plan(SMALL, devices=8, seq_len=32, max_batch=False)
+
+
+def test_the_report_says_what_it_compiled_in_how_long_and_counts_agree(one_plan) -> None:
+    assert one_plan.compiles == (1, 0, 0) and one_plan.seconds >= one_plan.compile_seconds
+    assert str(one_plan).splitlines()[-1].startswith("compiled the train step in ")
+    searched = dataclasses.replace(one_plan, compiles=(2, 1, 0), seconds=102.5)
+    last = "compiled 3 train steps in 1m 42s: 2 layouts, 1 more for the largest batch"
+    assert str(searched).splitlines()[-1] == last
+    probed = dataclasses.replace(one_plan, compiles=(1, 0, 4), seconds=8.34)
+    last = "compiled 5 train steps in 8.3 s: the layout, 4 more for the longest sequence"
+    assert str(probed).splitlines()[-1] == last
+    one = dataclasses.replace(one_plan, layout=dataclasses.replace(one_plan.layout, devices=1))
+    assert str(one).splitlines()[0].endswith(", 32 tokens, 1 device")
+    pair = dataclasses.replace(one.layout, preference="dpo")
+    assert str(pair).endswith(", 1 DPO pair/device")
 
 
 def test_the_search_tries_every_layout_without_context_parallelism_first(

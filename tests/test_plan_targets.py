@@ -167,7 +167,7 @@ def test_a_dpo_plan_runs_both_answers_and_the_reference_without_its_adapters() -
     options = {"devices": 2, "seq_len": 32, "lora_rank": 4, "max_batch": False}
     plain = rc.memory_plan(LLAMA, **options)
     dpo = rc.memory_plan(LLAMA, preference="dpo", **options)
-    assert "1 DPO pairs/device" in str(dpo)
+    assert "1 DPO pair/device" in str(dpo)
     # The same weights and adapters; twice the sequences, and a forward pass without
     # the adapters for the reference.
     assert (dpo.params, dpo.opt_state) == (plain.params, plain.opt_state)

@@ -2,8 +2,9 @@
 is; compilation labelled; `fit`, `predict` and `redcoast plan` report (`tokenize`: in
 test_text.py); and the speed: tokens/s, seconds per step and MFU in metrics.jsonl."""
 
-import ast
 import functools
+import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from pathlib import Path
 
 import equinox as eqx
@@ -57,8 +59,27 @@ def test_lines_come_at_the_interval_and_at_the_end(capsys) -> None:
         "train: 90/100 steps (90%)",
         "train: 100/100 steps (100%)",
     ]
-    assert lines[0] == "train: 30/100 steps (30%), 1 steps/s, ETA 1m 10s; loss 0.5"
+    assert lines[0] == "train: 30/100 steps (30%), 1 step/s, ETA 1m 10s; loss 0.5"
     assert "ETA" not in lines[-1]
+
+
+def test_a_rate_is_written_one_way_and_counts_agree_with_their_nouns() -> None:
+    rate = _progress.rate
+    assert (rate(2393.4, "step"), rate(2.314, "step"), rate(1.0, "step")) == (
+        "2,393 steps/s",
+        "2.31 steps/s",
+        "1 step/s",
+    )
+    # Slower than one a second: seconds each, never a fraction of a step a second.
+    assert (rate(1 / 36.7, "step"), rate(1 / 250, "example")) == ("36.7 s/step", "250 s/example")
+    assert rate(1.5e6, _progress.BYTES) == "1.5 MB/s"
+    counted = _progress.counted
+    assert [counted(1, "device"), counted(4, "device"), counted(2, "process")] == [
+        "1 device",
+        "4 devices",
+        "2 processes",
+    ]
+    assert _progress.elapsed(8.34) == "8.3 s" and _progress.elapsed(102.5) == "1m 42s"
 
 
 def test_a_short_task_prints_one_line_at_its_end_and_bytes_read_as_sizes(capsys) -> None:
@@ -98,10 +119,25 @@ def test_the_fit_bar_shows_the_speed(capsys) -> None:
             bar.advance(step)
             bar.show({"loss": 0.25, "lr": 1e-3, "tokens_per_s": 1234.5, "step_s": 0.5, "mfu": 0.4})
     last = capsys.readouterr().out.splitlines()[-1]
+    # One rate, the one the records measured on the devices (0.5 s a step), shown once.
     assert last == (
-        "train: 10/10 steps (100%), 1 steps/s; loss 0.25  lr 0.001  1,234 tokens/s  "
-        "0.5 s/step  MFU 40.0%"
+        "train: 10/10 steps (100%), 2 steps/s; loss 0.25  lr 0.001  1,234 tokens/s  MFU 40.0%"
     )
+
+
+def test_steps_dispatched_at_once_show_the_devices_rate(capsys) -> None:
+    """Two 17 s steps: the loop dispatches both at once, and the devices finish them
+    17 and 34 s later; the bar never shows the dispatch's thousands of steps a second."""
+    clock = _Clock()
+    with ProgressBar(2, live=False, seconds=30, clock=clock) as bar:
+        bar.advance(1)
+        clock.now += 0.0002
+        bar.advance(2)
+        clock.now = 17.0
+        bar.show({"loss": 0.5, "step_s": 17.0})  # step 1's record
+        clock.now = 34.0
+        bar.show({"loss": 0.4, "step_s": 17.0})  # step 2's
+    assert capsys.readouterr().out == "train: 2/2 steps (100%), 17 s/step; loss 0.4\n"
 
 
 def test_compiling_is_labelled_with_its_seconds(capsys) -> None:
@@ -111,6 +147,33 @@ def test_compiling_is_labelled_with_its_seconds(capsys) -> None:
     with pytest.raises(RuntimeError), _progress.compiling("compiling x"):
         raise RuntimeError("boom")
     assert capsys.readouterr().out == "compiling x… failed\n"
+    # A long compile says it goes on, then ends on a line of its own.
+    with _progress.compiling("compiling y", live=False, seconds=0.05):
+        time.sleep(0.3)
+    first, *beats, last = capsys.readouterr().out.splitlines()
+    assert first == "compiling y…" and beats and set(beats) == {"compiling y: 0s so far"}
+    assert last.startswith("compiling y… 0.") and last.endswith(" s")
+    assert not any(t.name == "redcoast-heartbeat" for t in threading.enumerate())
+
+
+def test_a_silent_stretch_says_it_is_still_working(capsys) -> None:
+    stdout = sys.stdout
+    with _progress.while_silent("redcoast demo", live=False, seconds=0.2):
+        for _ in range(6):  # 0.6 s of lines 0.1 s apart: nothing added
+            print("step", flush=True)
+            time.sleep(0.1)
+        print("compiling…", end="", flush=True)  # an open line is its owner's
+        time.sleep(0.5)
+        print(" 0.5 s", flush=True)
+        time.sleep(0.5)  # silent: said
+    assert sys.stdout is stdout
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:7] == ["step"] * 6 + ["compiling… 0.5 s"]
+    assert lines[7:] and all(
+        line.startswith("redcoast demo: still working, ") and line.endswith(" so far")
+        for line in lines[7:]
+    )
+    assert not any(t.name == "redcoast-heartbeat" for t in threading.enumerate())
 
 
 def test_a_heartbeat_says_a_wait_goes_on_and_leaves_no_thread(capsys) -> None:
@@ -212,19 +275,99 @@ def test_a_run_piped_to_a_file_prints_progress_while_it_runs(tmp_path) -> None:
     assert "steps (" in during and "ETA" in during
     after = log.read_text()
     assert "train: 40/40 steps (100%)" in after and after.rstrip().endswith("done")
+    # One way of writing the rate on every line; the last says why there is no MFU.
+    assert not [line for line in after.splitlines() if "steps/s" in line and "s/step" in line]
+    (summary,) = [line for line in after.splitlines() if line.startswith("redcoast: 40 steps in")]
+    assert summary.endswith(
+        "no MFU: a CPU's peak FLOP/s is not assumed (set REDCOAST_PEAK_FLOPS to one device's; "
+        "a simulated device's is the CPU's over their number)"
+    )
 
 
-def test_every_long_install_in_nox_says_what_it_does() -> None:
-    tree = ast.parse((ROOT / "noxfile.py").read_text())
-    for fn in [n for n in tree.body if isinstance(n, ast.FunctionDef)]:
-        calls = sorted(
-            (c.lineno, c.func.attr)
-            for c in ast.walk(fn)
-            if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
-        )
-        names = [name for _, name in calls]
-        if "install" in names:
-            assert "log" in names and names.index("log") < names.index("install"), fn.name
+class _NoxSession:
+    """What a nox session does, recorded; `pip install --dry-run` reports `planned`."""
+
+    python = "3.11"
+    posargs: tuple[str, ...] = ()
+
+    def __init__(self, tmp: Path, planned: dict[str, str]):
+        self.tmp, self.planned, self.did = tmp, planned, []
+
+    def create_tmp(self) -> str:
+        return str(self.tmp)
+
+    def log(self, text: str) -> None:
+        self.did.append(("log", text))
+
+    def install(self, *args: str, silent: bool | None = None) -> None:
+        self.did.append(("install", args, silent))
+
+    def run_install(self, *args: str, silent: bool = False, log: bool = True) -> str:
+        if "--dry-run" in args:
+            report = Path(args[args.index("--report") + 1])
+            install = [{"metadata": {"name": n, "version": v}} for n, v in self.planned.items()]
+            report.write_text(json.dumps({"install": install}))
+            return ""
+        return str(self.tmp / "requirements.txt")  # bench_maxtext asks where MaxText's are
+
+    def run(self, *args: str, **kwargs: object) -> None:
+        self.did.append(("run", args))
+
+
+def _noxfile(monkeypatch) -> types.ModuleType:
+    """noxfile.py, imported with a stand-in for nox, which the tests do not install."""
+    fake = types.ModuleType("nox")
+    fake.options = types.SimpleNamespace()
+    fake.Session = _NoxSession
+    fake.session = lambda f=None, **kw: f if callable(f) else (lambda g: g)
+    fake.parametrize = lambda *a, **kw: lambda f: f
+    monkeypatch.setitem(sys.modules, "nox", fake)
+    monkeypatch.chdir(ROOT)  # nox runs a noxfile from its folder
+    spec = importlib.util.spec_from_file_location("noxfile", ROOT / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_long_install_in_nox_says_what_it_does(tmp_path, monkeypatch) -> None:
+    noxfile = _noxfile(monkeypatch)
+    first = {"torch": "2.13.0+cpu", "jaxlib": "0.10.2", "numpy": "2.4.6", "optax": "0.2.6"}
+    session = _NoxSession(tmp_path, first)
+    noxfile.tests(session)
+    installs = [d for d in session.did if d[0] != "run"]
+    # The large ones one at a time, each named with its size and pip's output shown,
+    # then the rest, named.
+    assert [(kind, *rest) for kind, *rest in installs[1:]] == [
+        ("log", "installing torch 2.13.0+cpu (1 of 2): " + noxfile.LARGE["torch"]),
+        ("install", ("torch==2.13.0+cpu", "--no-deps"), False),
+        ("log", "installing jaxlib 0.10.2 (2 of 2): " + noxfile.LARGE["jaxlib"]),
+        ("install", ("jaxlib==0.10.2", "--no-deps"), False),
+        ("log", "installing redcoast with its test and hf extras (2 more packages)"),
+        ("install", ("-e", ".[test,hf]"), None),
+    ]
+    assert installs[0] == ("log", "first the large packages, one at a time: torch, jaxlib")
+    assert all("MB" in size for size in noxfile.LARGE.values())
+    # Run again in the environment it made: one line, pip quiet.
+    again = _NoxSession(tmp_path, {})
+    noxfile.tests(again)
+    assert [d for d in again.did if d[0] != "run"] == [
+        ("log", "installing redcoast with its test and hf extras"),
+        ("install", ("-e", ".[test,hf]"), None),
+    ]
+    # Every session installs this way: whatever large package it brings is named first.
+    every_large = dict.fromkeys(noxfile.LARGE, "1.0")
+    sessions = [f for f in vars(noxfile).values() if getattr(f, "__module__", "") == "noxfile"]
+    sessions = [f for f in sessions if callable(f) and not f.__name__.startswith("_")]
+    assert len(sessions) == 10
+    for fn in sessions:
+        session = _NoxSession(tmp_path, every_large)
+        fn(session, jax="0.10.2") if fn.__name__ == "jax_matrix" else fn(session)
+        did = [d for d in session.did if d[0] != "run"]
+        for before, install in itertools.pairwise(did):
+            if install[0] == "install":
+                assert before[0] == "log", fn.__name__
+                assert install[2] is None or "MB" in before[1], (fn.__name__, before)
 
 
 # ----------------------------------------------------------------------------- speed

@@ -6,9 +6,10 @@ XLA flags, and goes down the README: each Python block runs in one Python sessio
 blocks runs as a command, in the order they appear. Nothing is prepared beforehand:
 the checkpoint and tokenizer the blocks read come from the README's own `redcoast
 pretrained`, the text from the standard library. Not run: the Quickstart's lines
-(what CI itself runs), `redcoast launch`, `srun` and the many-hosts lines, which start
-a script of the reader's (`nox -s multihost` runs real ones). The `console` block's
-command runs on its own and must print the lines shown.
+(what CI itself runs), and `srun` and the many-hosts lines, which start a script of the
+reader's (`nox -s multihost` runs real ones). The `redcoast launch` line and the
+`console` block's command run in tests of their own; the console's must print the
+lines shown.
 """
 
 import json
@@ -50,8 +51,11 @@ def _blocks(language: str | None = None) -> list[tuple[str, str]]:
 
 
 def _reader_env() -> dict[str, str]:
-    """The environment of a reader's shell: no simulated devices or platform set for them."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    """The environment of a reader's shell: no simulated devices or platform set for them,
+    and the installed `redcoast` command on the PATH."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
 
 
 def _redcoast(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -63,13 +67,9 @@ def _redcoast(args: list[str], cwd: Path | None = None) -> subprocess.CompletedP
 
 
 def _redcoast_lines(code: str) -> list[list[str]]:
-    """The `redcoast` commands of a bash block a reader runs here (not `launch`)."""
-    lines = []
-    for line in code.splitlines():
-        words = shlex.split(line, comments=True)
-        if words[:1] == ["redcoast"] and words[1] != "launch":
-            lines.append(words[1:])
-    return lines
+    """The arguments of each `redcoast` command of a bash block."""
+    words = [shlex.split(line, comments=True) for line in code.splitlines()]
+    return [w[1:] for w in words if w[:1] == ["redcoast"]]
 
 
 class _Session:
@@ -159,6 +159,8 @@ def test_the_readme_runs_in_order_in_an_empty_folder(tmp_path):
                 ran.append("python")
             elif lang == "bash" and code != quickstart:
                 for args in _redcoast_lines(code):
+                    if args[0] == "launch":  # test_the_launch_line_…
+                        continue
                     _redcoast(args, cwd=reader)
                     ran.append(f"redcoast {args[0]}")
     finally:
@@ -179,12 +181,28 @@ def test_the_console_block_prints_what_it_shows(tmp_path):
     result = _redcoast(shlex.split(command)[2:], cwd=tmp_path)
     printed = result.stdout.strip().splitlines()
 
-    # Every line but the compile time, which depends on the machine, and the lines
-    # saying the plan is still compiling, printed every 30 s when stdout is no terminal.
+    # Every line as shown but for the compile time, which depends on the machine, and
+    # the lines saying the plan is still compiling, printed every 30 s to a log.
     def fixed(lines: list[str]) -> list[str]:
-        return [s for s in lines if not s.startswith("compiled in") and "so far" not in s]
+        timeless = [re.sub(r" in [0-9hm. ]+s\b", " in …", s) for s in lines]
+        return [s for s in timeless if "so far" not in s]
 
     assert fixed(printed) == fixed(shown)
+    assert shown[-2].startswith("compiled 3 train steps in ")  # what the time was spent on
+
+
+@pytest.mark.slow
+def test_the_launch_line_trains_the_demo_as_two_processes_of_four_devices(tmp_path):
+    (args,) = [a for _, code in _blocks("bash") for a in _redcoast_lines(code) if a[0] == "launch"]
+    out = _redcoast(args, cwd=tmp_path).stdout
+    assert "[0] redcoast: 2 processes" in out and "[0] train: 20/20 steps (100%)" in out
+    assert "[0] sample: " in out and "[1] sample: " in out
+    # Both processes train in the one folder process 0 named.
+    (workdir,) = set(re.findall(r"^\[[01]\] workdir: (\S+)$", out, re.M))
+    assert len(re.findall(r"^\[[01]\] workdir: ", out, re.M)) == 2
+    # 8 devices, 2 model shards: 4 data shards of 4 windows a step.
+    record = json.loads((tmp_path / workdir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["examples_per_s"] / record["steps_per_s"] == pytest.approx(16)
 
 
 def test_the_many_hosts_variables_are_the_ones_redcoast_reads():

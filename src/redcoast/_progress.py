@@ -6,7 +6,10 @@ Anywhere else (a file, a pipe, a scheduler's log) such a bar would appear only w
 it ends, so a line is printed instead every `REDCOAST_PROGRESS_SECONDS` seconds (30
 unless the environment says otherwise) and once at the end: what, how far, how
 fast, the time left and the latest figures. `compiling` labels the wait for XLA,
-`heartbeat` a wait with nothing to count.
+`heartbeat` a wait with nothing to count, `while_silent` a stretch of someone else's
+code that prints only now and then; all three say every interval that the wait goes
+on. A rate is written one way everywhere (`rate`): `2.31 steps/s` at one or more a
+second, `36.7 s/step` when slower.
 
 Nothing global is installed: a `Progress` writes to stdout while it is open, and a
 heartbeat's thread lives as long as its `with` block.
@@ -20,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
+from typing import Any
 
 from rich.console import Console
 from rich.errors import LiveError
@@ -32,7 +36,6 @@ from rich.progress import (
     Task,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.progress import Progress as _Rich
 from rich.text import Text
@@ -40,7 +43,18 @@ from rich.text import Text
 from ._checks import positive_env
 from ._units import fmt_bytes
 
-__all__ = ["ENV_SECONDS", "Progress", "compiling", "duration", "heartbeat", "interactive"]
+__all__ = [
+    "ENV_SECONDS",
+    "Progress",
+    "compiling",
+    "counted",
+    "duration",
+    "elapsed",
+    "heartbeat",
+    "interactive",
+    "rate",
+    "while_silent",
+]
 
 ENV_SECONDS = "REDCOAST_PROGRESS_SECONDS"
 """Seconds between two progress lines when stdout is not a terminal (default 30)."""
@@ -71,25 +85,66 @@ def duration(seconds: int | float) -> str:
     return f"{s // 3600}h {s % 3600 // 60:02d}m"
 
 
+def elapsed(seconds: float) -> str:
+    """`8.3 s` under a minute, `1m 42s` from one on: how long something took."""
+    return f"{seconds:.1f} s" if seconds < 60 else duration(seconds)
+
+
+def _plural(noun: str) -> str:
+    return noun + ("es" if noun.endswith(("s", "sh", "ch", "x")) else "s")
+
+
+def _noun(n: int | float, noun: str) -> str:
+    """`noun` as it goes with the count `n`: `device` for 1, else `devices`, `processes`."""
+    return noun if round(n) == 1 else _plural(noun)
+
+
+def counted(n: int | float, noun: str) -> str:
+    """`1 device`, `4 devices`, `1,024 tokens`: a count and its noun, in agreement."""
+    return f"{round(n):,} {_noun(n, noun)}"
+
+
+def _figure(x: float) -> str:
+    return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
+
+
+def rate(per_second: float, unit: str) -> str:
+    """A rate, one way wherever it is shown: `2.31 steps/s` at one or more a second,
+    `36.7 s/step` when slower; `BYTES` as a size a second (`1.2 MB/s`)."""
+    if unit == BYTES:
+        return f"{fmt_bytes(per_second)}/s"
+    if per_second >= 1:
+        figure = _figure(per_second)
+        return f"{figure} {unit if figure == '1' else _plural(unit)}/s"
+    return f"{_figure(1 / per_second)} s/{unit}"
+
+
 def _count(n: int | float, unit: str) -> str:
     return fmt_bytes(n) if unit == BYTES else f"{round(n):,}"
 
 
-def _rate(rate: float, unit: str) -> str:
-    if unit == BYTES:
-        return f"{fmt_bytes(rate)}/s"
-    return f"{rate:.3g} {unit}s/s" if rate < 100 else f"{rate:,.0f} {unit}s/s"
-
-
 class _Rate(ProgressColumn):
+    """The rate the caller measured (`Progress.update(rate=...)`), else rich's estimate."""
+
     def __init__(self, unit: str):
         super().__init__()
         self._unit = unit
 
     def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        text = "" if speed is None else _rate(speed, self._unit)
+        speed = task.fields.get("rate") or task.finished_speed or task.speed
+        text = "" if not speed else rate(speed, self._unit)
         return Text(text, style="progress.data.speed")
+
+
+class _Left(ProgressColumn):
+    """The time left at the rate `_Rate` shows."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.fields.get("rate") or task.speed
+        if task.finished or task.total is None or not speed:
+            return Text("")
+        left = duration((task.total - task.completed) / speed)
+        return Text(f"ETA {left}", style="progress.remaining")
 
 
 class Progress:
@@ -99,6 +154,9 @@ class Progress:
     `"{what}: 120/300 steps (40%), 2.31 steps/s, ETA 1m 17s; {info}"` every
     `seconds` (see `line_seconds`) and at the end. When another rich display is
     already live (a `predict` inside a `fit` hook), lines are printed instead, above it.
+    The rate is the count's own over the last interval, unless the caller gives a
+    better one: `fit` counts a step when it is dispatched, and gives the rate of the
+    steps the devices finished.
 
     Args:
         what: the label (`"train"`, `"predict"`, `"tokenize corpus/"`).
@@ -135,6 +193,7 @@ class Progress:
         self._enabled = enabled
         self._done = completed
         self._info = ""
+        self._rate: float | None = None  # the caller's, when it gives one
         self._clock = clock
         self._seconds = seconds
         self._bar: _Rich | None = None
@@ -168,12 +227,14 @@ class Progress:
             BarColumn(),
             count,
             _Rate(self.unit),
-            TimeRemainingColumn(),
+            _Left(),
             TextColumn("{task.fields[info]}"),
             transient=self._transient,
             refresh_per_second=4,
         )
-        self._task = bar.add_task(self.what, total=self.total, completed=int(self._done), info="")
+        self._task = bar.add_task(
+            self.what, total=self.total, completed=int(self._done), info="", rate=None
+        )
         return bar
 
     def __exit__(
@@ -195,15 +256,20 @@ class Progress:
         """The count done so far."""
         return self._done
 
-    def update(self, completed: int | float, info: str | None = None) -> None:
-        """Set the count done (and the figures shown beside it, when given)."""
+    def update(
+        self, completed: int | float, info: str | None = None, rate: float | None = None
+    ) -> None:
+        """Set the count done (and the figures shown beside it, and the rate a second
+        the caller measured, when given)."""
         if not self._open:
             return
         self._done = completed
         if info is not None:
             self._info = info
+        if rate is not None:
+            self._rate = rate
         if self._bar is not None:
-            self._bar.update(self._task, completed=completed, info=self._info)  # type: ignore[arg-type]
+            self._bar.update(self._task, completed=completed, info=self._info, rate=self._rate)  # type: ignore[arg-type]
             return
         now = self._clock()
         assert self._seconds is not None
@@ -216,39 +282,107 @@ class Progress:
 
     def _line(self, now: float) -> None:
         then, before = self._last
-        rate = (self._done - before) / (now - then) if now > then else None
-        unit = "" if self.unit == BYTES else f" {self.unit}s"
+        per_second = self._rate or ((self._done - before) / (now - then) if now > then else None)
+        unit = "" if self.unit == BYTES else f" {_noun(self.total or self._done, self.unit)}"
         if self.total:
             head = f"{_count(self._done, self.unit)}/{_count(self.total, self.unit)}{unit}"
             head += f" ({100 * self._done / self.total:.0f}%)"
         else:
             head = f"{_count(self._done, self.unit)}{unit}"
         parts = [head]
-        if rate:
-            parts.append(_rate(rate, self.unit))
+        if per_second:
+            parts.append(rate(per_second, self.unit))
             if self.total and self._done < self.total:
-                parts.append(f"ETA {duration((self.total - self._done) / rate)}")
+                parts.append(f"ETA {duration((self.total - self._done) / per_second)}")
         info = f"; {self._info}" if self._info else ""
         print(f"{self.what}: {', '.join(parts)}{info}", flush=True)
         self._last = (now, self._done)
         self._printed = self._done
 
 
+def _terminal(live: bool | None) -> bool:
+    return live if live is not None else interactive()
+
+
 @contextlib.contextmanager
-def compiling(what: str, *, enabled: bool = True) -> Iterator[None]:
-    """Print `what…` before the block and the seconds it took after: `compiling the
-    train step… 12.3 s` (nothing when not `enabled`)."""
+def _spinner(what: str) -> Iterator[None]:
+    """A spinner and the time elapsed, in a terminal, while the block runs (nothing
+    when another rich display is live: its lines already say that work goes on)."""
+    spinner = _Rich(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), transient=True)
+    spinner.add_task(what, total=None)
+    try:
+        spinner.start()
+    except LiveError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        spinner.stop()
+
+
+@contextlib.contextmanager
+def _every(
+    seconds: float, say: Callable[[float], None], poll: float | None = None
+) -> Iterator[None]:
+    """`say(seconds since the start)` every `seconds` (or, with `poll`, asked every
+    `poll` seconds), from a thread that ends with the block."""
+    done = threading.Event()
+    started = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(seconds if poll is None else poll):
+            say(time.monotonic() - started)
+
+    thread = threading.Thread(target=beat, name="redcoast-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+@contextlib.contextmanager
+def compiling(
+    what: str,
+    *,
+    enabled: bool = True,
+    live: bool | None = None,
+    seconds: int | float | None = None,
+) -> Iterator[None]:
+    """Label the block with the time it took: `compiling the train step… 12.3 s`.
+
+    In a log the label comes first and its time after; a block longer than `seconds`
+    (`line_seconds()`) says so in between, `what: 30s so far`, then ends with
+    `what… 1m 12s`. In a terminal a spinner shows the time while it lasts. Nothing
+    when not `enabled`.
+    """
     if not enabled:
         yield
         return
-    print(f"{what}…", end="", flush=True)
+    terminal = _terminal(live)
+    opened = not terminal  # the label's line, left open for its time
+    if opened:
+        print(f"{what}…", end="", flush=True)
+
+    def say(t: float) -> None:
+        nonlocal opened
+        print(("\n" if opened else "") + f"{what}: {duration(t)} so far", flush=True)
+        opened = False
+
+    def end(text: str) -> None:
+        print(f" {text}" if opened else f"{what}… {text}", flush=True)
+
+    every = line_seconds() if seconds is None else seconds
     started = time.perf_counter()
     try:
-        yield
+        with _spinner(what) if terminal else _every(every, say):
+            yield
     except BaseException:
-        print(" failed", flush=True)
+        end("failed")
         raise
-    print(f" {time.perf_counter() - started:.1f} s", flush=True)
+    end(elapsed(time.perf_counter() - started))
 
 
 @contextlib.contextmanager
@@ -264,31 +398,57 @@ def heartbeat(
     if not enabled:
         yield
         return
-    if live if live is not None else interactive():
-        spinner = _Rich(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), transient=True)
-        spinner.add_task(what, total=None)
-        try:
-            spinner.start()
-        except LiveError:
+    if _terminal(live):
+        with _spinner(what):
             yield
-            return
-        try:
-            yield
-        finally:
-            spinner.stop()
         return
     every = line_seconds() if seconds is None else seconds
-    done = threading.Event()
-    started = time.monotonic()
-
-    def beat() -> None:
-        while not done.wait(every):
-            print(f"{what}: {duration(time.monotonic() - started)} so far", flush=True)
-
-    thread = threading.Thread(target=beat, name="redcoast-heartbeat", daemon=True)
-    thread.start()
-    try:
+    with _every(every, lambda t: print(f"{what}: {duration(t)} so far", flush=True)):
         yield
-    finally:
-        done.set()
-        thread.join()
+
+
+class _Watched:
+    """stdout, with the time of its last write and whether that write ended a line."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self.last = time.monotonic()
+        self.line_open = False
+
+    def write(self, text: str) -> int:
+        if text:
+            self.last = time.monotonic()
+            self.line_open = not text.endswith("\n")
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def while_silent(
+    what: str, *, live: bool | None = None, seconds: int | float | None = None
+) -> Iterator[None]:
+    """Say `what: still working, 2m 30s so far` whenever the block has printed nothing
+    for `seconds` (`line_seconds()`): for code that reports its own progress only in
+    places, such as an example's `main` building its model before training.
+
+    Only when stdout is a log: in a terminal the block's own bars and spinners are
+    live displays, which a spinner of this one would turn into lines. A line the
+    block left open (a `compiling` label) is its own: nothing is added to it.
+    """
+    if _terminal(live):
+        yield
+        return
+    every = line_seconds() if seconds is None else seconds
+    watched = _Watched(sys.stdout)
+
+    def say(t: float) -> None:
+        if not watched.line_open and time.monotonic() - watched.last >= every:
+            print(f"{what}: still working, {duration(t)} so far", flush=True)
+
+    # Checked every half second (or sooner for short intervals): a silence is told
+    # within that of its end.
+    beats = _every(every, say, poll=min(every, 1.0) / 2)
+    with contextlib.redirect_stdout(watched), beats:  # type: ignore[arg-type]
+        yield

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -12,19 +13,35 @@ from typing import Any
 import click
 
 from . import __version__, _examples
+from ._progress import heartbeat, while_silent
 from .plan._targets import TARGETS
 from .plan.planner import PRECISIONS, PREFERENCES, RANKINGS, REMATS
 from .train.workdir import WorkdirInUseError
 
+# `--devices` of the commands that train on simulated devices.
+_DEVICES_OPTION: dict[str, Any] = {
+    "type": click.IntRange(min=1),
+    "default": None,
+    "help": "Simulated CPU devices of this process  [default: the count XLA_FLAGS forces "
+    "(`redcoast launch --devices-per-proc` sets it), else 8]",
+}
 
-def _simulate_devices(n: int) -> None:
-    """Ask for `n` simulated CPU devices; only possible before JAX's backend starts.
+
+def _simulate_devices(n: int | None) -> None:
+    """Ask for `n` simulated CPU devices (by default the count XLA_FLAGS forces, which
+    `redcoast launch` sets for each of its processes, else 8); only possible before
+    JAX's backend starts.
 
     Asking again for the number the running backend already has is fine (tests run
     the command in a process whose backend has started).
     """
     from .distributed._simulated import simulate_devices
 
+    if n is None:
+        forced = re.search(
+            r"xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
+        )
+        n = int(forced.group(1)) if forced else 8
     try:
         simulate_devices(n)
     except RuntimeError as err:
@@ -32,13 +49,32 @@ def _simulate_devices(n: int) -> None:
 
 
 def _fresh_folder(parent: Path) -> str:
-    """A folder under `parent` that does not exist yet, named by the time: `run-20261125-103000`."""
+    """A folder under `parent` that does not exist yet, named by the time: `run-20261125-103000`.
+
+    Under several processes (`redcoast launch`) every one gets process 0's name: their
+    clocks can straddle a second. Call after `_simulate_devices`.
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path, n = parent / f"run-{stamp}", 1
     while path.exists():
         n += 1
         path = parent / f"run-{stamp}-{n}"
-    return str(path)
+    return _agreed(str(path))
+
+
+def _agreed(name: str) -> str:
+    """Process 0's `name` (a short one) on every process of a job; itself in a single one."""
+    from .distributed import initialize
+
+    if not initialize().multi_process:
+        return name
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(name.encode(), np.uint8)
+    raw = np.zeros(256, np.uint8)  # one size on every process, whatever its name
+    raw[: data.size] = data
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).rstrip(b"\0").decode()
 
 
 # ----------------------------------------------------------------------------- redcoast run
@@ -52,13 +88,14 @@ def _print_metrics(metrics: Mapping[str, Any]) -> None:
 
 
 def _run_example(
-    name: str, devices: int, kwargs: dict[str, Any], metrics_json: str | None = None
+    name: str, kwargs: dict[str, Any], metrics_json: str | None = None, *, command: str
 ) -> dict[str, Any]:
-    """Start `devices` simulated devices, run the example's `main`, print its metrics."""
-    _simulate_devices(devices)
+    """Run the example's `main` (its devices already simulated) and print its metrics;
+    while it prints nothing, say every interval that `command` is still working."""
     module = _examples.load_example(name)
     try:
-        metrics = module.main(**kwargs)
+        with while_silent(command):
+            metrics = module.main(**kwargs)
     # What redcoast raises for bad options, or for a workdir that holds another run.
     except (ValueError, FloatingPointError, FileExistsError, WorkdirInUseError) as err:
         raise click.ClickException(f"{name}: {err}") from err
@@ -72,13 +109,7 @@ def _run_example(
 def _example_command(name: str, path: Path) -> click.Command:
     doc, options = _examples.describe(path)
     params: list[click.Parameter] = [
-        click.Option(
-            ["--devices"],
-            type=click.IntRange(min=1),
-            default=8,
-            show_default=True,
-            help="Simulated CPU devices (set before JAX starts).",
-        ),
+        click.Option(["--devices"], **_DEVICES_OPTION),
         click.Option(
             ["--metrics-json"],
             type=click.Path(dir_okay=False),
@@ -98,8 +129,9 @@ def _example_command(name: str, path: Path) -> click.Command:
             )
         )
 
-    def callback(devices: int, metrics_json: str | None, **kwargs: Any) -> None:
-        _run_example(name, devices, kwargs, metrics_json)
+    def callback(devices: int | None, metrics_json: str | None, **kwargs: Any) -> None:
+        _simulate_devices(devices)
+        _run_example(name, kwargs, metrics_json, command=f"redcoast run {name}")
 
     summary = doc.split("\n\n")[0].replace("\n", " ")
     return click.Command(name, params=params, callback=callback, help=doc, short_help=summary)
@@ -130,13 +162,7 @@ class _Examples(click.Group):
 
 
 # Options the demo and `redcoast pretrained` share.
-_DEVICES = click.option(
-    "--devices",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Simulated CPU devices.",
-)
+_DEVICES = click.option("--devices", **_DEVICES_OPTION)
 _SHARDS = click.option(
     "--n-model-shards",
     type=click.IntRange(min=1),
@@ -171,29 +197,32 @@ def main() -> None:
     "--resume", is_flag=True, help="Continue the stopped run in --workdir from its checkpoint."
 )
 def demo(
-    devices: int, n_model_shards: int, max_steps: int, workdir: str | None, resume: bool
+    devices: int | None, n_model_shards: int, max_steps: int, workdir: str | None, resume: bool
 ) -> None:
     """Train a small byte-level language model on Python's own docs, tensor parallel.
 
     Runs examples/language_modeling.py on simulated CPU devices: the model is split
     across `--n-model-shards` devices and the batch across the rest. Prints the
     sharding plan's summary, progress, a generated sample and the metrics, speed
-    included (tokens/s, seconds per step). Each run gets a folder of its own under
+    included (tokens/s, steps/s or s/step). Each run gets a folder of its own under
     runs/demo unless `--workdir` names one; a run stopped by SIGTERM or Ctrl-C saves
     a checkpoint there, and `--workdir FOLDER --resume` continues it.
     """
     if resume and workdir is None:
         raise click.UsageError("--resume continues a run: name its folder with --workdir.")
+    _simulate_devices(devices)
     if workdir is None:
         workdir = _fresh_folder(Path("runs/demo"))
         click.echo(f"workdir: {workdir}")
     options = {"n_model_shards": n_model_shards, "max_steps": max_steps}
     metrics = _run_example(
-        "language_modeling", devices, {**options, "workdir": workdir, "resume": resume}
+        "language_modeling",
+        {**options, "workdir": workdir, "resume": resume},
+        command="redcoast demo",
     )
     if "stopped_after_step" in metrics:
         again = ["redcoast demo", f"--workdir {shlex.quote(workdir)}", "--resume"]
-        given = {"--devices": (devices, 8), "--n-model-shards": (n_model_shards, 2)}
+        given = {"--devices": (devices, None), "--n-model-shards": (n_model_shards, 2)}
         given["--max-steps"] = (max_steps, 300)
         again += [f"{flag} {value}" for flag, (value, default) in given.items() if value != default]
         click.echo(f"to continue: {' '.join(again)}", err=True)
@@ -210,7 +239,7 @@ def demo(
 )
 @_DEVICES
 @_SHARDS
-def pretrained(folder: str, steps: int, devices: int, n_model_shards: int) -> None:
+def pretrained(folder: str, steps: int, devices: int | None, n_model_shards: int) -> None:
     """Make a small pretrained GPT-2 and its tokenizer in FOLDER (checkpoints/gpt2), offline.
 
     A byte-level BPE tokenizer (4096 ids) and a GPT-2 (4 layers, width 128, 256
@@ -223,7 +252,8 @@ def pretrained(folder: str, steps: int, devices: int, n_model_shards: int) -> No
     _simulate_devices(devices)
     base = _examples.load_example("_pretrained")
     try:
-        path = base.base_checkpoint(folder, n_model_shards=n_model_shards, steps=steps)
+        with while_silent("redcoast pretrained"):
+            path = base.base_checkpoint(folder, n_model_shards=n_model_shards, steps=steps)
     except ValueError as err:
         raise click.ClickException(str(err)) from err
     names = ", ".join(sorted(p.name for p in Path(path).iterdir()))
@@ -357,7 +387,6 @@ def plan(
     devices = devices or hardware.devices or 8
     # A TPU slice's devices come from its topology; the CPU's run everything else.
     _simulate_devices(devices if hardware.kind != "tpu" else 1)
-    from ._progress import heartbeat
     from .models import planning
 
     what = f"planning {model}: compiling the train step for each layout tried"
@@ -385,8 +414,10 @@ def plan(
                 quantize=quantize,
                 preference=preference,
             )
-        if specs:
-            click.echo(str(planning.sharding_plan_of(model, result.layout, result.lora)) + "\n")
+        if specs:  # after the plan's clock stopped: its last line times the compiles alone
+            with heartbeat(f"planning {model}: tracing every weight's split"):
+                split = planning.sharding_plan_of(model, result.layout, result.lora)
+            click.echo(f"{split}\n")
     except (ValueError, TypeError) as err:
         raise click.ClickException(str(err)) from err
     click.echo(str(result))
@@ -447,7 +478,8 @@ def launch(
 ) -> None:
     """Run COMMAND as NPROCS local processes that form one JAX job.
 
-    Example: redcoast launch --nprocs 2 --devices-per-proc 4 -- python train.py
+    Example: redcoast launch --nprocs 2 --devices-per-proc 4 -- redcoast demo --max-steps 20
+    (or `-- python your_script.py`)
 
     Output is prefixed with each process's rank (Gloo's connection lines only with
     --verbose). If one fails, the launcher names it, stops the rest and returns its

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._progress import counted, elapsed
 from .._units import fmt_bytes
 from ._targets import StepEstimate
 
@@ -64,7 +65,8 @@ class Layout:
             batch = f"batch {self.per_device_batch_size}, each row split {n_data} ways"
         parts.append(data)
         if self.preference is not None:
-            batch = f"{self.per_device_batch_size} {self.preference.upper()} pairs/device"
+            pairs = counted(self.per_device_batch_size, f"{self.preference.upper()} pair")
+            batch = f"{pairs}/device"
         return " x ".join(parts) + f", {self.precision}, remat {self.remat}, {batch}"
 
 
@@ -122,7 +124,11 @@ class MemoryPlan:
         max_batch: the largest per-device batch that fits, when asked and known.
         max_seq_len: the longest sequence that fits at the layout's batch, when asked
             (a multiple of 128 tokens, or the model's positions).
-        compile_seconds: time to compile the step.
+        compile_seconds: time to trace and compile this layout's step.
+        compiles: the train steps compiled to make the plan: layouts (the one
+            planned, or each one a search compiled), per-device batches tried for
+            `max_batch`, sequence lengths tried for `max_seq_len`.
+        seconds: the whole plan's time, every compile in it (`memory_plan`'s clock).
         tried: other layouts compiled on the way (`--search`), with their peaks.
         lora: the LoRA settings of a LoRA plan, else `None`.
         n_trainable: parameters that train (all of them without LoRA).
@@ -147,6 +153,8 @@ class MemoryPlan:
     max_batch: int | None = None
     max_seq_len: int | None = None
     compile_seconds: float = 0.0
+    compiles: tuple[int, int, int] = (1, 0, 0)
+    seconds: float = 0.0
     tried: tuple[tuple[str, int | None], ...] = ()
     lora: LoRA | None = None
     n_trainable: int | None = None
@@ -201,7 +209,7 @@ class MemoryPlan:
         where = "" if self.target == "cpu" else f" of {self.target}"
         lines = [
             f"{self.model}: {self.n_params / 1e9:.2f}B parameters, {self.layout.seq_len} tokens, "
-            f"{self.layout.devices} devices{where}",
+            f"{counted(self.layout.devices, 'device')}{where}",
             f"layout: {self.layout}",
             *self._lora_lines(),
             f"per device: parameters {fmt_bytes(self.params)}, optimizer state "
@@ -236,5 +244,19 @@ class MemoryPlan:
                     for layout, p in self.tried
                 )
             )
-        lines.append(f"compiled in {self.compile_seconds:.1f} s")
+        lines.append(self._compiled())
         return "\n".join(lines)
+
+    def _compiled(self) -> str:
+        """`compiled 3 train steps in 25.1 s: 2 layouts, 1 more for the largest batch`."""
+        layouts, batches, lengths = self.compiles
+        took = elapsed(self.seconds)
+        if layouts + batches + lengths == 1:
+            return f"compiled the train step in {took}"
+        parts = [counted(layouts, "layout") if layouts > 1 else "the layout"]
+        if batches:
+            parts.append(f"{batches} more for the largest batch")
+        if lengths:
+            parts.append(f"{lengths} more for the longest sequence")
+        steps = counted(layouts + batches + lengths, "train step")
+        return f"compiled {steps} in {took}: {', '.join(parts)}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -158,11 +159,13 @@ def _check_layout(layout: Layout, model: PlannedModel, *, compiles_here: bool) -
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    """What one `memory_plan` call plans: the model, its adapters, the hardware."""
+    """What one `memory_plan` call plans: the model, its adapters, the hardware; and
+    every layout it has compiled a step for so far, for the report."""
 
     model: PlannedModel
     lora: LoRA | None
     target: Target
+    compiled: list[Layout] = dataclasses.field(default_factory=list)
 
 
 def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan:
@@ -171,6 +174,7 @@ def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan
     # cuDNN's fused attention would run (no score matrix), not by the CPU's einsum.
     with planned_for("gpu" if job.target.kind == "gpu" else None):
         found = compile_step(job.model, layout, job.lora, devices=devices)
+    job.compiled.append(layout)
     n_trainable = found.n_params
     if job.lora is not None:
         from ..lora._layers import trainable
@@ -212,6 +216,7 @@ def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan
         found.peak - copies,
         device_memory,
         compile_seconds=found.seconds,
+        seconds=found.seconds,
         lora=job.lora,
         n_trainable=n_trainable,
         target=job.target.name,
@@ -407,6 +412,7 @@ def memory_plan(
         >>> print(rc.memory_plan("llama-7b", devices=4, n_model_shards=4, seq_len=1024,
         ...               remat="full", device_memory="40GB"))
     """
+    started = time.perf_counter()
     hardware = target_named(target)
     devices = hardware.devices if devices is None else devices
     if devices is None:
@@ -448,11 +454,16 @@ def memory_plan(
         result = _search(job, layout, budget, by_time=rank_by == "time")
     else:
         result = _measure(job, layout, budget)
+    layouts = len(job.compiled)
     if max_batch and budget is not None and result.fits:
         result = dataclasses.replace(result, max_batch=_max_batch(job, result, budget))
+    batches = len(job.compiled) - layouts
     if longest_seq and budget is not None and result.fits:
         result = dataclasses.replace(result, max_seq_len=_longest_seq(job, result, budget))
-    return result
+    lengths = len(job.compiled) - layouts - batches
+    return dataclasses.replace(
+        result, compiles=(layouts, batches, lengths), seconds=time.perf_counter() - started
+    )
 
 
 def _search(job: _Job, layout: Layout, budget: int, *, by_time: bool = False) -> MemoryPlan:

@@ -29,7 +29,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-from .._progress import compiling
+from .._progress import compiling, counted, elapsed
 from ..checkpoint._io import step_checkpoint_path
 from ..checkpoint._run import Checkpointing as Checkpointing
 from ..parallel._parallelism import ContextOption, SequenceOption, check_options
@@ -55,7 +55,7 @@ from .logging import (
 )
 from .loop import Hook, LoopState, always, run_loop
 from .step import LossFn, donating_jit
-from .throughput import peak_flops, step_flops
+from .throughput import no_peak_note, peak_flops, step_flops
 from .trainable import Trainable
 
 
@@ -103,17 +103,22 @@ def _report_stop(run: _Run, state: LoopState) -> None:
     )
 
 
-def _summary(state: LoopState, history: dict[str, Any], seconds: float) -> str:
-    """One line on how the run ended: steps, time, and the last logged metrics."""
+def _summary(state: LoopState, history: dict[str, Any], seconds: float, device: Any) -> str:
+    """One line on how the run ended: steps, time, the last logged metrics, and the
+    speed (with why there is no MFU, when there is none)."""
     shown = ("loss", "grad_norm", "lr")
     last = history["train"][-1] if history["train"] else {}
     parts = [f"{k} {last[k]:.4g}" for k in shown if isinstance(last.get(k), float)]
     if history["eval"]:
         evals = history["eval"][-1]
         parts += [f"{k} {v:.4g}" for k, v in evals.items() if k.startswith("eval_")]
-    parts += describe_speed(median_speed(history["train"]))
+    speed = median_speed(history["train"])
+    parts += describe_speed(speed)
+    if speed and "mfu" not in speed:
+        flops = history.get("flops")
+        parts.append(no_peak_note(device) if flops is None else f"no MFU: {flops['counted']}")
     metrics = f": {', '.join(parts)}" if parts else ""
-    return f"redcoast: {state.step} steps in {seconds:.1f} s{metrics}"
+    return f"redcoast: {counted(state.step, 'step')} in {elapsed(seconds)}{metrics}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +220,7 @@ def _hand_over_and_train(
         )
         history["flops"] = {"per_device_step": flops, "counted": how, "peak": peak}
     state = _hand_over(state, given, donate)
+
     try:
         return _train(
             run,
@@ -281,7 +287,8 @@ def _train(
                 state,
                 step_fn=step_fn,
                 epoch_batches=epoch_batches,
-                hooks=[*builtin, always(lambda s: bar.advance(s.step))],
+                # The bar counts a step before the hooks: a record they show is of it.
+                hooks=[always(lambda s: bar.advance(s.step)), *builtin],
                 n_epochs=loop.n_epochs,
                 max_steps=loop.max_steps,
             )
@@ -298,7 +305,7 @@ def _finish(
     """The result, after reporting how the run stopped (and a summary line)."""
     _report_stop(run, state)
     if progress and run.lead:
-        print(_summary(state, history, seconds), flush=True)
+        print(_summary(state, history, seconds, run.mesh.devices.flat[0]), flush=True)
     if state.best is not None and (state.best.value is not None or history["eval"]):
         history["best"] = dataclasses.asdict(state.best)
     return FitResult(state.model, state.opt_state, state.step, history, stopped_by=state.stop)

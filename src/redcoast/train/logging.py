@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from .._progress import Progress
+from .._progress import Progress, rate
 
 Logger = Callable[[dict[str, Any], int], None]
 """`(metrics, step) -> None`."""
@@ -208,13 +208,14 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def describe_speed(metrics: Mapping[str, Any]) -> list[str]:
-    """`12,345 tokens/s`, `0.21 s/step`, `MFU 31%`: what a record says of the speed."""
+def describe_speed(metrics: Mapping[str, Any], *, steps: bool = True) -> list[str]:
+    """`12,345 tokens/s`, `4.76 steps/s` (or `36.7 s/step`, `_progress.rate`), `MFU
+    31%`: what a record says of the speed; the step rate left out when not `steps`."""
     parts = []
     if isinstance(metrics.get("tokens_per_s"), float):
         parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
-    if isinstance(metrics.get("step_s"), float):
-        parts.append(f"{metrics['step_s']:.3g} s/step")
+    if steps and isinstance(metrics.get("step_s"), float) and metrics["step_s"] > 0:
+        parts.append(rate(1 / metrics["step_s"], "step"))
     if isinstance(metrics.get("mfu"), float):
         parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
     return parts
@@ -292,16 +293,23 @@ class ProgressBar:
         self._progress.__exit__(exc_type, exc, tb)
 
     def advance(self, step: int) -> None:
-        """Mark `step` optimizer steps as done."""
+        """Mark `step` optimizer steps as done (dispatched: the devices may still run them)."""
         self._progress.update(step)
 
     def show(self, metrics: Mapping[str, Any]) -> None:
-        """Show `loss`, `lr` (and eval metrics, if present) and the speed next to the bar."""
+        """Show `loss`, `lr` (and eval metrics, if present) and the speed next to the bar.
+
+        The bar's rate is the record's `step_s`, measured over steps the devices
+        finished: the bar's own count moves as steps are dispatched, which can run
+        ahead of the devices by the steps between two records.
+        """
         keys = ("loss", "lr", "eval_loss", "tokens_per_s", "step_s", "mfu")
         self._latest.update({k: metrics[k] for k in keys if k in metrics})
         shown = [f"{k} {_fmt(self._latest[k])}" for k in keys[:3] if k in self._latest]
-        info = "  ".join(shown + describe_speed(self._latest))
-        self._progress.update(self._progress.done, info)
+        info = "  ".join(shown + describe_speed(self._latest, steps=False))
+        step_s = self._latest.get("step_s")
+        per_second = 1 / step_s if isinstance(step_s, float) and step_s > 0 else None
+        self._progress.update(self._progress.done, info, rate=per_second)
 
 
 def _nonfinite_error(step: int, epoch: int, metrics: Mapping[str, Any]) -> FloatingPointError:

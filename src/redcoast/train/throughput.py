@@ -15,7 +15,9 @@ matrix products of each `lax.scan`'s body are counted from the step's jaxpr (tim
 its length) and their missing iterations added, divided over the devices. The
 count includes what remat recomputes. MFU is FLOPs per second per device over the
 device's bfloat16 dense peak: `REDCOAST_PEAK_FLOPS` (FLOP/s per device) when set,
-else `PEAK_FLOPS` by `device_kind`; none for CPUs, so no MFU there.
+else `PEAK_FLOPS` by `device_kind`. A CPU's is not assumed: its vector units, their
+number and its clock under load vary too much, and simulated devices share its
+cores; without a peak `fit`'s last line says why it shows no MFU (`no_peak_note`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ import jax.numpy as jnp
 from .._checks import positive_env
 from ..parallel import _jaxpr
 
-__all__ = ["ENV_PEAK", "PEAK_FLOPS", "matmul_flops", "peak_flops", "step_flops", "step_tokens"]
+__all__ = [
+    "ENV_PEAK",
+    "PEAK_FLOPS",
+    "matmul_flops",
+    "no_peak_note",
+    "peak_flops",
+    "step_flops",
+    "step_tokens",
+]
 
 ENV_PEAK = "REDCOAST_PEAK_FLOPS"
 """A device's peak FLOP/s, for accelerators `PEAK_FLOPS` does not know (e.g. `312e12`)."""
@@ -74,6 +84,22 @@ def peak_flops(device: Any) -> float | None:
         return None
     kind = str(getattr(device, "device_kind", ""))
     return next((peak for pattern, peak in PEAK_FLOPS if re.search(pattern, kind)), None)
+
+
+def no_peak_note(device: Any) -> str:
+    """Why a run on `device` has no MFU, and how to give its peak.
+
+    Example:
+        >>> no_peak_note(jax.devices("cpu")[0])
+        "no MFU: a CPU's peak FLOP/s is not assumed (set REDCOAST_PEAK_FLOPS to ..."
+    """
+    if getattr(device, "platform", "cpu") == "cpu":
+        return (
+            f"no MFU: a CPU's peak FLOP/s is not assumed (set {ENV_PEAK} to one device's; "
+            "a simulated device's is the CPU's over their number)"
+        )
+    kind = getattr(device, "device_kind", "this")
+    return f"no MFU: the peak FLOP/s of a {kind} device is not known (set {ENV_PEAK})"
 
 
 def step_tokens(
