@@ -37,6 +37,7 @@ BARS = {
     "classification": ("test_accuracy", "min", 0.97, None),
     "dp_sgd": ("test_accuracy", "min", 0.90, None),
     "fedavg": ("test_accuracy", "min", 0.93, None),
+    "grpo": ("gain", "min", 0.4, 900.0),
     "finetune": ("ratio", "max", 0.7, None),
     "finetune_lora": ("gain_vs_full", "min", 0.9, None),
     "finetune_lora8": ("ratio", "max", 0.7, None),

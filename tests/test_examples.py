@@ -32,6 +32,7 @@ SMOKE = {
     "seq2seq": ["--max-steps", "4", "--eval-every", "2", "--per-device-batch-size", "4"],
     "captioning": ["--max-steps", "4", "--per-device-batch-size", "4"],
     "text_to_image": ["--max-steps", "4", "--per-device-batch-size", "4"],
+    "grpo": ["--sft-steps", "4", "--rl-steps", "3"],
     "ppo": [
         "--n-iterations",
         "2",
@@ -52,6 +53,7 @@ EXPECTED = {
     "seq2seq": {"rougeL", "rouge2", "exact"},
     "captioning": {"rougeL", "exact"},
     "text_to_image": {"recognised", "colour", "shape", "place"},
+    "grpo": {"accuracy_before", "accuracy_after", "gain", "mean_completion_length"},
 }
 
 

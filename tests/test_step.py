@@ -88,6 +88,33 @@ def test_shard_map_path_equals_jit_path(accumulate):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["jit", "shard_map"])
+def test_updates_per_batch_are_that_many_steps_on_the_batch(path):
+    """Three updates on one batch: the model, optimizer state and counter of three steps
+    in turn (keys fold_in(key, i)), the metrics their means."""
+    mesh = rc.make_mesh(1)
+    opt = optax.adamw(1e-2)
+    batch = _global(_data(16), mesh)
+    key = jax.random.key(3)
+    model = _place(_mlp(), mesh)
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    one = rc.train_step(loss_fn, opt, mesh=mesh, data_parallel=path)
+    losses = []
+    for i in range(3):
+        model, state, metrics = one(model, state, batch, jax.random.fold_in(key, i))
+        losses.append(float(metrics["loss"]))
+    repeated = rc.train_step(loss_fn, opt, mesh=mesh, data_parallel=path, updates_per_batch=3)
+    fresh = _place(_mlp(), mesh)
+    fresh_state = opt.init(eqx.filter(fresh, eqx.is_inexact_array))
+    got, got_state, got_metrics = repeated(fresh, fresh_state, batch, key)
+    _assert_trees_close(got, model)
+    _assert_trees_close(got_state, state)
+    assert losses[0] > losses[2]  # the updates follow one another
+    np.testing.assert_allclose(got_metrics["loss"], np.mean(losses), rtol=1e-5)
+    with pytest.raises(ValueError, match="updates_per_batch must be"):
+        rc.train_step(loss_fn, opt, updates_per_batch=0)
+
+
 def test_metrics_report_lr_from_inject_hyperparams_and_from_schedule():
     mesh = rc.make_mesh(1)
     schedule = optax.linear_schedule(0.1, 0.0, 10)

@@ -11,6 +11,7 @@ from . import lora as lora
 from . import models as models
 from . import nn as nn
 from . import quant as quant
+from . import rl as rl
 from . import sampling as sampling
 from . import text as text
 from .checkpoint._io import Checkpoint as Checkpoint
@@ -57,6 +58,7 @@ from .train.loop import Hook as Hook
 from .train.loop import LoopState as LoopState
 from .train.loop import every as every
 from .train.precision import cast as cast
+from .train.rollout import Rollout as Rollout
 from .train.step import train_step as train_step
 from .train.trainable import Trainable as Trainable
 from .train.trainable import trainable_mask as trainable_mask

@@ -278,3 +278,37 @@ def test_a_run_resumed_on_another_process_count_equals_one_never_interrupted(
         assert len(a.files) == len(b.files) > 0
         for key in a.files:
             np.testing.assert_allclose(b[key], a[key], rtol=0, atol=2e-5, err_msg=key)
+
+
+def test_an_rl_run_on_two_processes_equals_one_and_each_scores_its_own_rows(
+    tmp_path: Path,
+) -> None:
+    """GRPO on 2 x 4 processes x devices: the rewards, losses and evaluation of one
+    process of 8 devices; each process scores only the completions of its rows (the
+    evaluation's outputs, gathered, are scored on every process)."""
+    script = Path(__file__).parent / "grpo_run.py"
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {SIMULATED_XLA_FLAGS}",
+    }
+    _run([sys.executable, str(script), "--out", str(tmp_path / "one")], env, tmp_path / "one.log")
+    command = [sys.executable, "-m", "redcoast", "launch", "--nprocs", "2"]
+    command += ["--devices-per-proc", "4", "--port", str(free_port()), "--"]
+    command += [sys.executable, str(script), "--out", str(tmp_path / "two")]
+    _run(command, dict(os.environ), tmp_path / "two.log")
+    (reference,) = _reports(tmp_path / "one")
+    reports = _reports(tmp_path / "two")
+    assert len(reports) == 2 and len(reference["train"]) == 3
+    keys = ("reward", "loss", "kl", "completions/mean_length")
+    for r in reports:
+        for got, want in zip(r["train"], reference["train"], strict=True):
+            for k in keys:
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
+        assert r["eval"][-1]["eval_reward"] == reference["eval"][-1]["eval_reward"]
+    evaluated = 16
+    trained = len(reference["scored"]) - evaluated
+    assert trained == 3 * 8 * 4  # steps x prompts x completions
+    assert [len(r["scored"]) - evaluated for r in reports] == [trained // 2] * 2
+    both = sorted(p for r in reports for p in r["scored"][: trained // 2])
+    assert both == sorted(reference["scored"][:trained])

@@ -265,9 +265,9 @@ def _prompt_lengths(
         raise ValueError(
             f"prompt_lengths must have shape ({batch},), one per prompt; got {lengths.shape}."
         )
-    try:
-        host = np.asarray(lengths)
-    except jax.errors.TracerArrayConversionError:  # inside jit: checked at run time
+    try:  # inside jit, or split over several processes: checked when it runs
+        host = np.asarray(lengths) if lengths.is_fully_addressable else None
+    except jax.errors.ConcretizationTypeError:
         host = None
     if host is not None and (host.min() < 1 or host.max() > prompt_len):
         raise ValueError(

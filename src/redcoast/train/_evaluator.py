@@ -27,7 +27,7 @@ __all__ = ["eval_hook", "evaluator"]
 def evaluator(
     run: Run,
     evaluation: Evaluation,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     collate_fn: CollateFn,
     batch_size: int,
     emit: Callable[[dict[str, Any], int], None],
@@ -37,8 +37,12 @@ def evaluator(
     """`state -> metrics`: one evaluation, logged, and written to `workdir/eval`."""
     eval_dir = None if run.root is None or not run.lead else os.path.join(run.root, "eval")
     mesh, key = run.mesh, run.key
-    loss_step = functools.partial(
-        jit_eval_first, loss_fn, precision=precision, parallelism=run.parallelism
+    loss_step = (
+        None
+        if loss_fn is None
+        else functools.partial(
+            jit_eval_first, loss_fn, precision=precision, parallelism=run.parallelism
+        )
     )
     pred_step = (
         None

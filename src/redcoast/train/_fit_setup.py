@@ -175,6 +175,7 @@ def step_of(
     *,
     precision: str,
     data_parallel: Literal["jit", "shard_map"],
+    updates_per_batch: int = 1,
 ) -> Callable[..., Any]:
     """The run's step (`_run_step`) of `train_step` under the run's parallelism, counting
     the tokens of each batch."""
@@ -182,6 +183,7 @@ def step_of(
         loss_fn,
         optimizer,
         accumulate_grad_batches=accumulate_grad_batches,
+        updates_per_batch=updates_per_batch,
         mesh=run.mesh,
         data_parallel=data_parallel,
         schedule=schedule,

@@ -54,9 +54,13 @@ from .logging import (
     median_speed,
 )
 from .loop import Hook, LoopState, always, run_loop
+from .rollout import Rollout
 from .step import LossFn, donating_jit
 from .throughput import no_peak_note, peak_flops, step_flops
 from .trainable import Trainable
+
+# The rollout's keys are `fold_in(fold_in(key(seed), ROLLOUT_STREAM), step)`.
+ROLLOUT_STREAM = 0x5EED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,13 +174,14 @@ def _keep_state(err: BaseException, start: LoopState, lead: bool) -> None:
 def _evaluation_of(
     run: _Run,
     evaluation: Evaluation | None,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     collate_fn: CollateFn,
     per_device_batch_size: int,
     *,
     precision: str,
 ) -> tuple[Evaluation, Callable[..., Callable[[LoopState], Any]]] | None:
-    """The evaluation and `(emit, records) -> evaluate`, or None without one."""
+    """The evaluation and `(emit, records) -> evaluate`, or None without one; no eval loss
+    without `loss_fn`."""
     if evaluation is None:
         return None
     per_device = evaluation.per_device_batch_size or per_device_batch_size
@@ -197,14 +202,17 @@ def _hand_over_and_train(
     loop: _Loop,
     given: tuple[Any, Any],
     donate: bool,
+    rollout: Rollout | None,
 ) -> LoopState:
     """Compile the first step, hand the caller's arrays over, and train.
 
     The first step is traced and compiled while the caller's arrays are still theirs,
     so a `loss_fn` or shape error leaves them as they were; its first call runs this
-    program. Where the devices' peak is known, the compiled program's FLOPs are
-    counted (`throughput.step_flops`) for the records' MFU. From the hand-over on,
-    an error carries the run's state (`_keep_state`).
+    program. With a rollout, `first` is the rollout's `example` of the first batch,
+    and each step trains on what the rollout makes of its batch with the step's
+    model, its metrics beside the step's. Where the devices' peak is known, the
+    compiled program's FLOPs are counted (`throughput.step_flops`) for the records'
+    MFU. From the hand-over on, an error carries the run's state (`_keep_state`).
     """
     step = donating_jit(traced)
     args = (state.model, state.opt_state, first.arrays, run.key, np.int32(state.step))
@@ -221,12 +229,21 @@ def _hand_over_and_train(
         history["flops"] = {"per_device_step": flops, "counted": how, "peak": peak}
     state = _hand_over(state, given, donate)
 
+    def step_fn(m: Any, o: Any, b: Any, s: int) -> tuple[Any, Any, dict[str, Any]]:
+        if rollout is None:
+            return step(m, o, b, run.key, np.int32(s))
+        b, made = rollout(m, b, jax.random.fold_in(rollout_key, s))
+        m, o, metrics = step(m, o, b, run.key, np.int32(s))
+        return m, o, {**metrics, **made}
+
+    # The rollout draws from a stream of its own, beside the steps' `fold_in(key, step)`.
+    rollout_key = jax.random.fold_in(run.key, ROLLOUT_STREAM)
     try:
         return _train(
             run,
             state,
             history,
-            lambda m, o, b, s: step(m, o, b, run.key, np.int32(s)),
+            step_fn,
             epoch_batches,
             loop,
             (flops, peak),
@@ -345,6 +362,7 @@ def fit(
     progress: bool = True,
     schedule: Callable[[Any], Any] | None = None,
     hooks: Sequence[Hook] = (),
+    rollout: Rollout | None = None,
 ) -> FitResult:
     """Train `model` on `train_examples` with data and tensor parallelism over `mesh`.
 
@@ -480,6 +498,13 @@ def fit(
             evaluation, before checkpointing; a hook may return the state to go on
             with (setting `stop` ends the run after a checkpoint). In a
             multi-process run every process must take the same decisions.
+        rollout: an `rc.Rollout` (on-policy RL: `rc.rl.train` passes one): before
+            each step, `rollout(model, batch, key)` makes the batch the step trains
+            on from the collated one and the step's model (with a key of its own,
+            the same on resuming), and `rollout.updates_per_batch` optimizer steps
+            train on it; the model is placed and the step compiled on
+            `rollout.example(first_batch)`. Evaluation then computes no eval loss
+            (a batch of examples is not one `loss_fn` reads), only `pred_fn`'s.
 
     Returns:
         A `FitResult` with `model`, `opt_state`, `step`, `history` and `stopped_by`.
@@ -504,6 +529,8 @@ def fit(
     # Every option is checked before the workdir is touched; from here on it is held.
     with held(run, overwrite=overwrite, resume=resume) as still_held:
         first, epoch_batches, run = _epochs(train_examples, collate_fn=collate_fn, run=run)
+        if rollout is not None:
+            first = dataclasses.replace(first, arrays=rollout.example(first.arrays))
         run, state, history, mask = _start(
             (model, opt_state),
             optimizer,
@@ -516,8 +543,17 @@ def fit(
             evaluation=evaluation,
             resume=resume,
         )
+        updates = 1 if rollout is None else rollout.updates_per_batch
         step = step_of(
-            loss_fn, optimizer, run, mask, accumulate_grad_batches, schedule, on_nonfinite, **how
+            loss_fn,
+            optimizer,
+            run,
+            mask,
+            accumulate_grad_batches,
+            schedule,
+            on_nonfinite,
+            updates_per_batch=updates,
+            **how,
         )
         loop = _Loop(
             n_epochs=n_epochs,
@@ -531,10 +567,24 @@ def fit(
             checkpointing=checkpointing or Checkpointing(),
             still_held=still_held,
             evaluate=_evaluation_of(
-                run, evaluation, loss_fn, collate_fn, per_device_batch_size, precision=precision
+                run,
+                evaluation,
+                loss_fn if rollout is None else None,
+                collate_fn,
+                per_device_batch_size,
+                precision=precision,
             ),
         )
         state = _hand_over_and_train(
-            run, state, history, step, first, epoch_batches, loop, (model, opt_state), donate
+            run,
+            state,
+            history,
+            step,
+            first,
+            epoch_batches,
+            loop,
+            (model, opt_state),
+            donate,
+            rollout,
         )
         return _finish(run, state, history, progress, time.perf_counter() - started)

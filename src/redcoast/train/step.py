@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
+from .._checks import check_positive
 from ..parallel._parallelism import (
     ContextOption,
     Parallelism,
@@ -325,6 +326,33 @@ def _update(
     return new_params, new_opt_state, metrics
 
 
+def _repeated(core: Callable[..., Any], updates: int) -> Callable[..., Any]:
+    """`core` applied `updates` times to the same batch, one update after another in a
+    `lax.scan` (update `i` draws with `fold_in(key, i)`); the metrics are their means."""
+    if updates == 1:
+        return core
+
+    def step(
+        model: Any,
+        opt_state: Any,
+        batch: Any,
+        key: Any,
+        parallelism: Parallelism | None = None,
+    ) -> tuple[Any, Any, dict[str, Array]]:
+        arrays, static = eqx.partition((model, opt_state), eqx.is_array)
+
+        def body(carry: Any, i: Array) -> tuple[Any, dict[str, Array]]:
+            m, o = eqx.combine(carry, static)
+            m, o, metrics = core(m, o, batch, jax.random.fold_in(key, i), parallelism)
+            return eqx.filter((m, o), eqx.is_array), metrics
+
+        arrays, metrics = jax.lax.scan(body, arrays, jnp.arange(updates))
+        new_model, new_opt_state = eqx.combine(arrays, static)
+        return new_model, new_opt_state, jax.tree.map(lambda x: x.mean(0), metrics)
+
+    return step
+
+
 def _shard_map_step(core: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     """Run `core` per data shard under `jax.shard_map`, parameters replicated."""
     n_data, n_model = mesh_shape(mesh)
@@ -401,6 +429,7 @@ def donating_jit(fn: Callable[..., _T]) -> Callable[..., _T]:
 
 def _check_options(
     accumulate_grad_batches: Any,
+    updates_per_batch: Any,
     data_parallel: str,
     mesh: Mesh | None,
     sequence_parallel: Any,
@@ -413,6 +442,7 @@ def _check_options(
         )
     if accumulate_grad_batches < 1:
         raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}.")
+    check_positive("updates_per_batch", updates_per_batch, optional=False)
     if data_parallel not in ("jit", "shard_map"):
         raise ValueError(f"data_parallel must be 'jit' or 'shard_map', got {data_parallel!r}.")
     if data_parallel == "shard_map" and mesh is None:
@@ -436,6 +466,7 @@ def train_step(
     optimizer: optax.GradientTransformation,
     *,
     accumulate_grad_batches: int = 1,
+    updates_per_batch: int = 1,
     mesh: Mesh | None = None,
     data_parallel: Literal["jit", "shard_map"] = "jit",
     schedule: Callable[[Any], Any] | None = None,
@@ -469,6 +500,10 @@ def train_step(
         optimizer: any `optax.GradientTransformation`. Wrap it in
             `optax.inject_hyperparams` to see the learning rate in the metrics.
         accumulate_grad_batches: number of micro-batches per optimizer step.
+        updates_per_batch: optimizer steps taken on each batch, one after another
+            (PPO's epochs, GRPO's `num_iterations`), in a `lax.scan` inside the one
+            program; update `i` draws with `fold_in(key, i)`, and the metrics are the
+            means over the updates.
         mesh: the `("data", "model")` mesh. Under `"jit"` it pins each micro-batch to
             `P(None, "data")`; under `"shard_map"` it is required.
         data_parallel: `"jit"` (XLA partitions the global step; any mesh) or
@@ -520,7 +555,12 @@ def train_step(
         ...     model, opt_state, metrics = step(model, opt_state, batch, key)
     """
     _check_options(
-        accumulate_grad_batches, data_parallel, mesh, sequence_parallel, context_parallel
+        accumulate_grad_batches,
+        updates_per_batch,
+        data_parallel,
+        mesh,
+        sequence_parallel,
+        context_parallel,
     )
     check_precision(precision)
     core = _train_core(
@@ -537,6 +577,7 @@ def train_step(
     if data_parallel == "shard_map":
         assert mesh is not None
         core = _shard_map_step(core, mesh)
+    core = _repeated(core, updates_per_batch)
     return with_parallelism(
         donating_jit(core) if jit else core,
         sequence_parallel=sequence_parallel,
