@@ -182,7 +182,7 @@ def main(
         for t in (full, eqx.filter(net, rc.trainable_mask(net, trainable)))
     )
     print(f"optimizer state: {mb / 1e6:.2f} MB; full fine-tuning's {full_mb / 1e6:.2f} MB")
-    print(f"fine-tuning {folder} for {max_steps} steps")
+    print(f"fine-tuning {folder} for {max_steps} step{'s' * (max_steps != 1)}")
     result = rc.fit(
         net,
         optimizer,

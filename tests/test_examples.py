@@ -74,7 +74,7 @@ def _demo_runs(times: int) -> list:
     for _ in range(times):  # each demo is a fresh run in a folder of its own
         result = CliRunner().invoke(main, ["demo", "--max-steps", "1"])
         assert result.exit_code == 0, result.output
-        assert "sharding plan: 2 model shard(s)" in result.output
+        assert "sharding plan: 2 model shards" in result.output
         assert "bytes per device" in result.output
         assert "sample:" in result.output
         assert "val_nats_per_byte" in result.output

@@ -5,6 +5,8 @@ import os
 import jax
 import numpy as np
 
+from .._progress import counted
+
 # XLA:CPU runs each simulated device's part of a collective on a thread of its own,
 # and the threads meet at a rendezvous. A thread still waiting there 20 s after the
 # warning XLA prints (its fixed 20 s in jaxlib 0.10) ends the whole process with
@@ -55,9 +57,10 @@ def simulate_devices(n: int) -> None:
     try:
         jax.config.update("jax_num_cpu_devices", int(n))
     except RuntimeError as err:  # the backend already started
-        if jax.device_count() != n:
+        # The devices of this process: each process of a job simulates its own.
+        if jax.local_device_count() != n:
             raise RuntimeError(
-                f"cannot simulate {n} devices: JAX already started with "
-                f"{jax.device_count()}. Call simulate_devices before anything touches a "
-                "device (the first jax.devices(), array or make_mesh)."
+                f"cannot simulate {counted(n, 'device')}: JAX already started with "
+                f"{jax.local_device_count()} in this process. Call simulate_devices before "
+                "anything touches a device (the first jax.devices(), array or make_mesh)."
             ) from err

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._progress import counted
 from .._tree_paths import path_str
 from .._units import fmt_bytes
 from .mesh import DATA, MODEL
@@ -129,9 +130,9 @@ class ShardingPlan:
         ]
         heads = ("path", "shape", "spec", "why")
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads[:3])]
-        fsdp = f" x {self.fsdp} data shard(s) (FSDP)" if self.fsdp > 1 else ""
+        fsdp = f" x {counted(self.fsdp, 'data shard')} (FSDP)" if self.fsdp > 1 else ""
         lines = [
-            f"sharding plan: {self.n_model_shards} model shard(s){fsdp}; {self.method}",
+            f"sharding plan: {counted(self.n_model_shards, 'model shard')}{fsdp}; {self.method}",
             "  ".join(h.ljust(w) for h, w in zip(heads[:3], widths, strict=True)) + "  why",
         ]
         for row in rows:

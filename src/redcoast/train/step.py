@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
 from .._checks import check_positive
+from .._progress import counted
 from ..parallel._parallelism import (
     ContextOption,
     Parallelism,
@@ -156,8 +157,8 @@ def _micro_batches(batch: Any, n: int, mesh: Mesh | None) -> Any:
     if size % n or (size // n) % n_data:
         raise ValueError(
             f"a batch of {size} rows cannot be split into accumulate_grad_batches={n} "
-            f"micro-batches over {n_data} data shard(s): the batch size must be a multiple "
-            f"of {n * n_data}; got a batch {describe_shapes(batch)}."
+            f"micro-batches over {counted(n_data, 'data shard')}: the batch size must be a "
+            f"multiple of {n * n_data}; got a batch {describe_shapes(batch)}."
         )
 
     def split(x: Array) -> Array:
