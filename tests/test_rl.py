@@ -97,12 +97,15 @@ def test_a_sharded_run_equals_one_device(tok, how):
     one = _run(tok, model, rc.make_mesh(1, devices=jax.devices()[:1]), 4, max_steps=2, **options)
     split = _run(tok, model, rc.make_mesh(2), 1, max_steps=2, fsdp=how == "tp-fsdp", **options)
     for a, b in zip(one.history["train"], split.history["train"], strict=True):
-        for k in ("reward", "completions/mean_length", "kl", "loss", "grad_norm"):
+        for k in ("reward", "completions/mean_length", "loss", "grad_norm"):
             np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=2e-6, err_msg=k)
+        # A full fine-tune's reference is a bfloat16 copy, summed in another order.
+        np.testing.assert_allclose(a["kl"], b["kl"], rtol=2e-3, atol=1e-5)
     assert one.history["train"][-1]["kl"] > 0  # the reference is another model by then
-    # Adam's steps on gradients near zero amplify their last digits: 5e-5 of 1.2e-2 moved.
+    # Adam's steps on gradients near zero amplify their last digits (the bfloat16 reference's
+    # most): 1e-4 of 1.2e-2 moved.
     for x, y in zip(_params(one.model), _params(split.model), strict=True):
-        np.testing.assert_allclose(x, y, rtol=2e-4, atol=5e-5)
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-4)
     before, after = _params(model), _params(one.model)
     assert any(not np.array_equal(x, y) for x, y in zip(before, after, strict=True))
 
@@ -190,5 +193,7 @@ def test_bad_input_says_what_to_do(tok, tmp_path):
         _run(tok, model, rc.make_mesh(1), 1, max_steps=1, loss_fn=None)
     with pytest.raises(ValueError, match="reference='lora' is the model with its LoRA adapters"):
         _run(tok, model, rc.make_mesh(1), 1, max_steps=1, reference="lora")
+    with pytest.raises(ValueError, match="reference must be 'auto', 'lora', 'copy'"):
+        _run(tok, model, rc.make_mesh(1), 1, max_steps=1, reference="frozen")
     with pytest.raises(ValueError, match="RLOO: num_generations must be >= 2"):
         rc.rl.RLOO(num_generations=1)

@@ -16,8 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -29,6 +27,7 @@ from ..parallel.place import model_mesh, place
 from ..text import Tokenizer, load_tokenizer
 from ..train.evaluate import Evaluation
 from ..train.fit import FitResult, fit
+from ..train.precision import cast
 from ._algorithms import GRPO, Algorithm
 from ._losses import token_logps
 from ._rewards import RewardFn, reward_names, score
@@ -193,7 +192,13 @@ def _reference(
         return model, None
     placed = place_model(model)
     if reference == "copy":
-        return placed, jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, placed)
+        # bfloat16, as TRL's reference of a bfloat16 policy: half the policy's float32.
+        return placed, cast(placed, jnp.bfloat16)
+    if isinstance(reference, str):
+        raise ValueError(
+            f"reference must be 'auto', 'lora', 'copy' or a model placed like the policy, "
+            f"got {reference!r}."
+        )
     return placed, reference
 
 
@@ -256,7 +261,8 @@ def train(
             `rc.rl.RLOO(...)`.
         reference: for a KL penalty (`beta > 0`): `"auto"` (`"lora"` when the model has
             LoRA adapters, else `"copy"`), `"lora"` (the model with its adapters off:
-            no memory), `"copy"` (a frozen copy of the model as given, placed like it),
+            no memory), `"copy"` (a frozen bfloat16 copy of the model as given, placed
+            like it),
             or a model of your own placed like the policy (e.g. `rc.cast(...,
             jnp.bfloat16)` of it, or quantized).
         max_prompt_length: keep the last this many tokens of longer prompts; prompts
