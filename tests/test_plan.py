@@ -387,3 +387,255 @@ def test_attention_remat_plans_under_fsdp_and_keeps_less() -> None:
         for remat in ("none", "attention")
     }
     assert plans["attention"] < plans["none"]
+
+
+# ------------------------------------------------------------------------- an RL step
+
+RL_LLAMA = rc.models.LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+# 16-token prompts, 4 completions of each, up to 32 new tokens; one prompt a device.
+GRPO = {"rl": "grpo", "seq_len": 16, "num_generations": 4, "max_new_tokens": 32}
+
+
+def _cache_row(tokens: int, itemsize: int = 4) -> int:
+    """Bytes of one row's key/value cache of RL_LLAMA: 2 layers, keys and values, 2
+    key/value heads of 16 dimensions, in the token table's dtype (float32, or the
+    bfloat16 of LoRA's frozen base)."""
+    return 2 * 2 * tokens * 2 * 16 * itemsize
+
+
+@pytest.fixture(scope="module")
+def rl_plans() -> dict[str, rc.MemoryPlan]:
+    """The RL plans the tests below share (15-20 s of compiling each), both with a KL
+    penalty: a full fine-tune on TP 2, and LoRA on DP 2 planned for a GPU with
+    longer completions."""
+    options = {**GRPO, "devices": 2, "max_batch": False, "beta": 0.04}
+    return {
+        "full": rc.memory_plan(RL_LLAMA, n_model_shards=2, **options),
+        "lora": rc.memory_plan(
+            RL_LLAMA, lora_rank=2, target="l4-24gb", **{**options, "max_new_tokens": 96}
+        ),
+    }
+
+
+def _rollout_batch(algorithm: rc.rl.GRPO, mesh: jax.sharding.Mesh, prompts: int) -> dict:
+    """The batch `rc.rl.train`'s rollout makes of `prompts` prompts of 16 tokens, for the
+    step to compile on (`GroupRollout.example`)."""
+    from tokenizers import Tokenizer, models
+
+    words = Tokenizer(models.WordLevel({"<eos>": 0, "<unk>": 1}, unk_token="<unk>"))
+    rollout = rc.rl.GroupRollout(
+        records=[],
+        tokenizer=rc.text.load_tokenizer(words, eos_id=0),
+        rewards=(),
+        names=(),
+        algorithm=algorithm,
+        eos_id=0,
+    )
+    ids = jax.device_put(np.zeros((prompts, 16), np.int32), NamedSharding(mesh, P("data")))
+    return rollout.example({"prompt_ids": ids})
+
+
+def test_a_grpo_plans_train_step_is_the_real_rl_step(rl_plans) -> None:
+    """`rc.rl.policy_loss` with GRPO's defaults and a KL penalty through `rc.train_step`,
+    compiled on the batch `rc.rl.train`'s rollout makes: the plan's peak (less the
+    reference copy held beside it) and batch are its own."""
+    from redcoast.models.planning import planned
+    from redcoast.plan._step import trace_step
+
+    plan = rl_plans["full"]
+    assert plan.rl_step is not None
+    mesh = rc.make_mesh(2, devices=jax.devices()[:2])
+    model = rc.sharded_init(
+        lambda k: rc.models.Llama(RL_LLAMA, scan_layers=True, key=k), jax.random.key(0), mesh
+    )
+    algorithm = rc.rl.GRPO(num_generations=4, max_new_tokens=32, beta=0.04)
+    batch = _rollout_batch(algorithm, mesh, prompts=1)
+    assert "ref_logps" in batch
+    optimizer = optax.adamw(1e-4)
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    core = rc.train_step(
+        algorithm.loss_fn(), optimizer, mesh=mesh, jit=False, parallelism=rc.Parallelism.of(model)
+    )
+    lowered = eqx.filter_jit(core, donate="all").lower(model, state, batch, jax.random.key(0))
+    stats = lowered.compile().compiled.memory_analysis()
+    assert stats is not None
+    real = (
+        stats.argument_size_in_bytes
+        + stats.temp_size_in_bytes
+        + max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0)
+    )
+    planned_peak = plan.rl_step.train_peak - plan.rl_step.reference_copy
+    assert abs(planned_peak - real) <= 0.05 * real, (planned_peak, real)
+    # The planned batch is the rollout's: its arrays, dtypes and shapes (bytes a device holds).
+    _, common, _ = trace_step(planned(RL_LLAMA), plan.layout)
+    assert common["batch"] == sum(x.addressable_shards[0].data.nbytes for x in batch.values())
+    assert common["tokens"] == 4 * (16 + 32)  # 1 prompt x 4 completions, each row whole
+
+
+def test_the_sampling_plan_holds_the_key_value_cache_and_decodes_step_by_step(rl_plans) -> None:
+    """The sampler's peak holds the cache of every row's prompt and completion; for a GPU
+    each decode step reads every weight and the whole cache, and does a matmul per weight."""
+    plan = rl_plans["lora"]  # DP 2: a device's prompt, 4 times, each up to 96 new tokens
+    step = plan.rl_step
+    assert step is not None
+    assert step.cache == 4 * _cache_row(16 + 96, itemsize=2)  # the bfloat16 base's
+    # TP 2: the heads split over the model axis, and the cache with them.
+    tp = rl_plans["full"].rl_step
+    assert tp is not None and tp.cache == 4 * _cache_row(16 + 32) // 2
+    # Beside it: the parameters, and the optimizer state, which sampling does not read.
+    assert step.sampling_peak >= plan.params + plan.opt_state + step.cache
+    decode = step.sampling
+    assert decode is not None and decode.steps == 95
+    assert decode.seconds == pytest.approx(decode.prefill + 95 * decode.step)
+    assert decode.step_bytes == decode.step_floor == plan.params + step.cache
+    assert decode.step_memory > decode.step_compute  # 4 rows: memory-bound
+    # Two FLOPs a weight a row (the head included, the token table not: it is a lookup),
+    # and at most the rank-2 adapters' and attention over the whole cache.
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128  # q, o; k, v (2 heads of 16); MLP
+    weights = 2 * per_layer + 64 * 256  # and the head
+    adapters = 2 * 2 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
+    rows = 2 * 4  # both devices' (FLOPs are counted over the slice)
+    attention = 2 * 2 * rows * 4 * 16 * (16 + 96) * 2
+    most = 2 * rows * (weights + adapters) + attention
+    assert 2 * rows * weights <= 2 * decode.step_flops <= most
+    # The step: sampling, the reference's pass (the adapters off), the train step.
+    assert plan.estimate is not None and plan.rl_seconds is not None
+    assert step.reference_seconds is not None and step.reference_seconds > 0
+    parts = (decode.seconds, step.reference_seconds, plan.estimate.seconds)
+    assert plan.rl_seconds == pytest.approx(sum(parts))
+    shares = "(sampling {:.2f} s, the reference's pass {:.2f} s, the train step {:.2f} s)"
+    report = str(plan)
+    assert "95 decode steps" in report
+    assert f"estimated RL step: {plan.rl_seconds:.2f} s {shares.format(*parts)}" in report
+    # A search by time ranks an RL layout by its whole step, sampling included.
+    from redcoast.plan.planner import _tokens_per_second
+
+    tokens = plan.estimate.tokens_per_second * plan.estimate.seconds
+    assert _tokens_per_second(plan) == pytest.approx(tokens / plan.rl_seconds)
+
+
+def test_a_kl_penalty_holds_a_frozen_bfloat16_copy_without_lora_and_none_with_it(
+    rl_plans,
+) -> None:
+    full, lora = rl_plans["full"], rl_plans["lora"]
+    step = full.rl_step
+    assert step is not None and step.reference_peak is not None
+    assert step.reference_copy == full.params // 2  # float32 weights, copied in bfloat16
+    # Held beside every program: the train step's arguments and temporaries, and the copy.
+    assert step.train_peak >= full.params + full.opt_state + full.temporaries + step.reference_copy
+    assert step.sampling_peak >= full.params + full.opt_state + step.reference_copy + step.cache
+    # The reference's pass reads the copy, the policy and its optimizer state held beside it.
+    assert step.reference_peak >= step.reference_copy + full.params + full.opt_state
+    assert full.peak == max(step.train_peak, step.sampling_peak, step.reference_peak)
+    assert full.rl_seconds is None  # the CPU has no figures to estimate with
+    report = str(full)
+    assert "GRPO (dapo loss, beta 0.04; the reference: a frozen bfloat16 copy)" in report
+    assert "the reference copy held beside it" in report
+    assert lora.rl_step is not None and lora.rl_step.reference_copy == 0
+    assert lora.rl_step.reference_peak is not None  # the pass with the adapters off
+    assert "the reference: the model with its adapters off" in str(lora)
+    assert "the reference copy" not in str(lora)
+
+
+def test_the_longest_rl_prompt_leaves_room_for_the_completion(monkeypatch, rl_plans) -> None:
+    """`longest_seq` of an RL plan is of its prompts: at most the model's positions less
+    `max_new_tokens` (compiling replaced by one plan's figures, all of which fit)."""
+    from redcoast.plan import planner
+
+    plan = rl_plans["lora"]
+    tried = []
+
+    def measure(job, layout, budget):
+        tried.append(layout.seq_len)
+        return dataclasses.replace(plan, layout=layout, device_memory=budget)
+
+    monkeypatch.setattr(planner, "_measure", measure)
+    found = rc.memory_plan(
+        RL_LLAMA, devices=2, device_memory="1GB", max_batch=False, longest_seq=True, **GRPO
+    )
+    assert found.max_seq_len == 128 - 32 and tried == [16, 32, 64, 96]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rl": "ppo"}, "rl must be one of 'grpo'"),
+        ({"rl": "grpo", "num_generations": 0}, "num_generations must be a positive int"),
+        ({"rl": "grpo", "max_new_tokens": 0}, "max_new_tokens must be a positive int"),
+        ({"rl": "grpo", "beta": -0.1}, "beta must be >= 0"),
+        ({"num_generations": 8}, "num_generations set an RL step, which rl= asks to plan"),
+        ({"rl": "grpo", "preference": "dpo"}, "preference tuning .* or an RL step, not both"),
+        ({"rl": "grpo", "context_parallel": True}, "without context_parallel"),
+        (
+            {"rl": "grpo", "seq_len": 100, "max_new_tokens": 64},
+            "100 \\+ 64 tokens, longer than the model's 128 positions",
+        ),
+        ({"rl": "grpo", "frozen_dtype": "fp32"}, "with rl and beta > 0"),
+    ],
+)
+def test_an_rl_plan_that_cannot_work_gets_one_clear_line(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        rc.memory_plan(RL_LLAMA, devices=2, **kwargs)
+
+
+def test_rl_is_planned_for_a_model_that_samples() -> None:
+    with pytest.raises(ValueError, match="not t5-large, an encoder-decoder"):
+        rc.memory_plan("t5-large", devices=2, rl="grpo")
+
+    class Plain(eqx.Module):  # a causal LM without a cached forward pass
+        table: jax.Array
+
+        def __call__(self, ids: jax.Array) -> jax.Array:
+            return self.table[ids]
+
+    with pytest.raises(ValueError, match="Plain has no vocab_size, max_positions, init_cache"):
+        rc.memory_plan(lambda k: Plain(jnp.zeros((8, 8))), devices=2, rl="grpo")
+
+
+def test_the_cli_plans_an_rl_step(monkeypatch, tmp_path: Path, rl_plans) -> None:
+    """The options reach the planner, and its RL plan is printed and written whole
+    (compiling replaced by a plan made above)."""
+    from redcoast.models import planning
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**RL_LLAMA.to_dict(), "model_type": "llama"}))
+    bad = CliRunner().invoke(main, ["plan", str(config), "--num-generations", "4"])
+    assert bad.exit_code != 0 and "pass rl='grpo'" in bad.output
+    assert "Traceback" not in bad.output
+    zero = CliRunner().invoke(main, ["plan", str(config), "--rl", "grpo", "--max-new-tokens", "0"])
+    assert zero.exit_code == 2 and "--max-new-tokens" in zero.output
+    asked = {}
+
+    def plan(model, **kwargs):
+        asked.update(kwargs)
+        return rl_plans["full"]
+
+    monkeypatch.setattr(planning, "memory_plan", plan)
+    out = tmp_path / "plan.json"
+    ran = CliRunner().invoke(
+        main,
+        [
+            *("plan", str(config), "--seq-len", "16", "--rl", "grpo", "--beta", "0.04"),
+            *("--num-generations", "4", "--max-new-tokens", "32", "--json", str(out)),
+        ],
+    )
+    assert ran.exit_code == 0, ran.output
+    assert asked["rl"] == "grpo" and asked["beta"] == 0.04
+    assert (asked["num_generations"], asked["max_new_tokens"], asked["seq_len"]) == (4, 32, 16)
+    layout = "layout: TP 2 x DP 1, fp32, remat none, GRPO: 1 prompt x 4 completions/device"
+    assert layout in ran.output
+    assert "16-token prompts + 32 new" in ran.output
+    assert "sampling: 4 completions of each of 1 prompt/device, a key/value cache" in ran.output
+    assert "the train step on 4 rows of 16 + 32 tokens/device" in ran.output
+    figures = json.loads(out.read_text())
+    assert figures["layout"]["rl"]["num_generations"] == 4
+    step = figures["rl_step"]
+    assert figures["peak"] == max(step["train_peak"], step["sampling_peak"], step["reference_peak"])

@@ -227,6 +227,115 @@ def _estimate_args() -> dict:
     }
 
 
+def test_sampling_is_estimated_as_a_prefill_and_a_roofline_per_decode_step() -> None:
+    h100 = _targets.target_named("h100-80gb")
+    sampling = _targets.decode_estimate(
+        h100,
+        devices=2,
+        flops=(2 * 989e12 * 0.01, 2 * 989e12 * 1e-4),  # 10 ms at peak, then 0.1 ms a step
+        bytes_per_device=(3.35e12 * 0.002, 3.35e12 * 1e-3),  # 2 ms, then 1 ms a step
+        collective_bytes=(0, int(450e9 * 1e-5)),  # 0.01 ms a step over NVLink
+        steps=100,
+        tokens=6400,
+        floor=int(3.35e12 * 5e-4),
+    )
+    assert sampling is not None
+    assert sampling.prefill == pytest.approx(0.01)
+    assert sampling.step == pytest.approx(1e-3 + 1e-5)
+    assert sampling.seconds == pytest.approx(0.01 + 100 * 1.01e-3)
+    assert sampling.tokens_per_second == pytest.approx(6400 / sampling.seconds)
+    assert "100 decode steps" in str(sampling) and "memory-bound" in str(sampling)
+    cpu = _targets.target_named("cpu")
+    options = {"devices": 1, "flops": (1.0, 1.0), "bytes_per_device": (1.0, 1.0)}
+    options |= {"collective_bytes": (0, 0), "steps": 1, "tokens": 1, "floor": 1}
+    assert _targets.decode_estimate(cpu, **options) is None
+
+
+def test_a_loop_that_stops_on_its_values_runs_as_often_as_it_is_counted() -> None:
+    """Sampling's decode loop ends when every row has: its trip count is the caller's."""
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    w = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+    loop = jax.jit(lambda x, w: jax.lax.while_loop(lambda h: h.sum() < 1e6, lambda h: h @ w, x))
+    text = loop.lower(x, w).compile().as_text() or ""
+    assert 7 in _hlo.multipliers(text, own_bodies=True, unbounded=7).values()
+    once, twice = (_hlo.bytes_accessed(text, unbounded=n) for n in (1, 2))
+    per_run = twice - once
+    assert _hlo.bytes_accessed(text, unbounded=5) == once + 4 * per_run
+    assert per_run >= 4 * (128 * 128 + 2 * 64 * 128)  # the weight and the rows, read and written
+    assert _hlo.loop_factor(text, unbounded=5) > _hlo.loop_factor(text) == 1.0
+
+
+# A layer stack's matmul as XLA:TPU fuses it: the stacked weight goes into the matmul's
+# fusion, which slices one layer of it in a fusion of its own.
+_NESTED_TEXT = """HloModule nested
+
+%slice_layer (p0: bf16[8,64,64], p1: s32[]) -> bf16[64,64] {
+  %p0 = bf16[8,64,64]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = bf16[1,64,64]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,64,64}
+  ROOT %layer = bf16[64,64]{1,0} bitcast(%ds)
+}
+
+%matmul (x: bf16[4,64], w: bf16[8,64,64], i: s32[]) -> bf16[4,64] {
+  %x = bf16[4,64]{1,0} parameter(0)
+  %w = bf16[8,64,64]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %layer.1 = bf16[64,64]{1,0} fusion(%w, %i), kind=kLoop, calls=%slice_layer
+  ROOT %dot = bf16[4,64]{1,0} convolution(%x, %layer.1), dim_labels=bf_io->bf
+}
+
+ENTRY %main (x: bf16[4,64], w: bf16[8,64,64], i: s32[]) -> bf16[4,64] {
+  %x = bf16[4,64]{1,0} parameter(0)
+  %w = bf16[8,64,64]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %out = bf16[4,64]{1,0} fusion(%x, %w, %i), kind=kOutput, calls=%matmul
+}
+"""
+
+
+def test_a_layer_sliced_in_a_nested_fusion_is_read_alone() -> None:
+    rows, layer, index = 4 * 64 * 2, 64 * 64 * 2, 4
+    # The rows in and out, the index, and one layer of the stack's eight.
+    assert _hlo.bytes_accessed(_NESTED_TEXT) == rows + layer + index + rows
+
+
+# A cache written one slot a row, as XLA:TPU runs a scatter: a loop over the rows whose
+# body keeps the old slot or takes the new one, and updates the cache in place.
+_SCATTER_TEXT = """HloModule scatter
+
+%write (c: bf16[8,768,64], n: bf16[8,1,64], r: s32[], p: s32[], k: pred[]) -> bf16[8,768,64] {
+  %cache = bf16[8,768,64]{2,1,0} parameter(0)
+  %new = bf16[8,1,64]{2,1,0} parameter(1)
+  %row = s32[] parameter(2)
+  %pos = s32[] parameter(3)
+  %ok = pred[] parameter(4)
+  %zero = s32[] constant(0)
+  %mask = pred[1,1,64]{2,1,0} broadcast(%ok), dimensions={}
+  %taken = bf16[1,1,64]{2,1,0} dynamic-slice(%new, %row, %zero, %zero), dynamic_slice_sizes={1,1,64}
+  %kept = bf16[1,1,64]{2,1,0} dynamic-slice(%cache, %row, %pos, %zero), dynamic_slice_sizes={1,1,64}
+  %slot = bf16[1,1,64]{2,1,0} select(%mask, %taken, %kept)
+  ROOT %out = bf16[8,768,64]{2,1,0} dynamic-update-slice(%cache, %slot, %row, %pos, %zero)
+}
+
+ENTRY %main (c: bf16[8,768,64], n: bf16[8,1,64], r: s32[], p: s32[], k: pred[]) -> bf16[8,768,64] {
+  %cache = bf16[8,768,64]{2,1,0} parameter(0)
+  %new = bf16[8,1,64]{2,1,0} parameter(1)
+  %row = s32[] parameter(2)
+  %pos = s32[] parameter(3)
+  %ok = pred[] parameter(4)
+  ROOT %out = bf16[8,768,64]{2,1,0} fusion(%cache, %new, %row, %pos, %ok), kind=kLoop, calls=%write
+}
+"""
+
+
+def test_a_slot_updated_in_place_moves_the_slot_not_the_cache() -> None:
+    slot, scalars = 64 * 2, 2 * 4 + 1  # the row and position, and the mask
+    # The old slot read, the new one read (through a slice), the slot written; never
+    # the 768-slot cache.
+    assert _hlo.bytes_accessed(_SCATTER_TEXT) == slot + slot + scalars + slot
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -272,6 +381,35 @@ def test_the_tpu_compiler_plans_a_step_for_a_v5e_8_slice() -> None:
         LLAMA, target="v5e-8", seq_len=128, precision="bf16", lora_rank=4, max_batch=False
     )
     assert lora.fits and lora.estimate is not None
+
+
+@pytest.mark.slow
+def test_the_tpu_compiler_plans_a_grpo_step_with_lora() -> None:
+    pytest.importorskip("libtpu", reason="the TPU compiler installs with redcoast[tpu]")
+    plan = rc.memory_plan(
+        LLAMA,
+        target="v5e-8",
+        seq_len=32,
+        precision="bf16",
+        lora_rank=4,
+        rl="grpo",
+        num_generations=4,
+        max_new_tokens=32,
+        beta=0.04,
+        max_batch=False,
+    )
+    step = plan.rl_step
+    assert plan.fits and step is not None and step.reference_copy == 0
+    # A device's prompt, 4 times: 8 layers, keys and values, 64 slots, 4 heads of 16, bfloat16.
+    assert step.cache == 4 * 8 * 2 * 64 * 4 * 16 * 2
+    decode = step.sampling
+    assert decode is not None and decode.steps == 31
+    # The weights (whole on each device of DP 8) and the cache, read at least once a step.
+    assert decode.step_floor == plan.params + step.cache <= decode.step_bytes
+    assert step.reference_seconds is not None and plan.estimate is not None
+    assert plan.rl_seconds == pytest.approx(
+        decode.seconds + step.reference_seconds + plan.estimate.seconds
+    )
 
 
 @pytest.mark.slow
@@ -387,6 +525,14 @@ def test_tpu_loops_updates_and_collectives_are_counted_as_they_run() -> None:
     # overlapping it nor where it ends; the permute by what it delivers (its start's
     # result names its operand too); the fused reduce-scatter by its 8 x 64 shard.
     assert _hlo.collective_bytes(_TPU_TEXT) == 64 * 64 * 2 + 8 * 64 * 2 + 8 * 64 * 2
+    # Sampling's loop, as XLA:TPU writes it: `i < 8 and not done` stops on a value it
+    # computes, so it runs as often as the caller counts it, not 8 times.
+    done = "%d = pred[] constant(false)\n  %n = pred[] not(%d)\n  ROOT %go = pred[] and(%lt, %n)"
+    sampling = _TPU_TEXT.replace("ROOT %lt = pred[] compare", "%lt = pred[] compare").replace(
+        "direction=LT\n}", f"direction=LT\n  {done}\n}}", 1
+    )
+    assert "%go = pred[] and(%lt, %n)" in sampling
+    assert _hlo.multipliers(sampling, own_bodies=True, unbounded=5)["body"] == 5
 
 
 def test_a_pallas_kernel_counts_its_body_once_per_point_of_its_grid() -> None:

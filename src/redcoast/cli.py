@@ -15,7 +15,7 @@ import click
 from . import __version__, _examples
 from ._progress import heartbeat, while_silent
 from .plan._targets import TARGETS
-from .plan.planner import PRECISIONS, PREFERENCES, RANKINGS, REMATS
+from .plan.planner import PRECISIONS, PREFERENCES, RANKINGS, REMATS, RL_ALGORITHMS
 from .train.workdir import WorkdirInUseError
 
 # `--devices` of the commands that train on simulated devices.
@@ -287,7 +287,9 @@ def run() -> None:
 )
 @click.option("-n", "--n-model-shards", default=1, show_default=True, help="Model-axis size.")
 @click.option("--fsdp", is_flag=True, help="Split weights over the data axis too (ZeRO-3).")
-@click.option("--seq-len", default=1024, show_default=True, help="Tokens per sequence.")
+@click.option(
+    "--seq-len", default=1024, show_default=True, help="Tokens per sequence (--rl: per prompt)."
+)
 @click.option("--per-device-batch-size", default=1, show_default=True, help="Sequences per device.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @click.option("--remat", type=click.Choice(REMATS), default="none", show_default=True)
@@ -350,6 +352,33 @@ def run() -> None:
     help="Plan preference tuning: batches of chosen and rejected pairs (rc.preference); DPO's "
     "reference is the model without its adapters under LoRA, else precomputed.",
 )
+@click.option(
+    "--rl",
+    type=click.Choice(RL_ALGORITHMS),
+    default=None,
+    help="Plan a step of rc.rl.train: sampling --num-generations completions of each of "
+    "--per-device-batch-size prompts a device, then the train step on them.",
+)
+@click.option(
+    "--num-generations",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --rl, completions sampled of each prompt  [default: 8]",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --rl, the longest completion; the key/value cache holds the prompt and "
+    "these  [default: 256]",
+)
+@click.option(
+    "--beta",
+    type=click.FloatRange(min=0.0),
+    default=None,
+    help="With --rl, the KL penalty's weight; above 0 the reference is the model without "
+    "its adapters under LoRA, else a frozen copy in --frozen-dtype  [default: 0]",
+)
 @click.option("--specs", is_flag=True, help="Also print every weight's split and why.")
 @click.option("--json", "json_path", default=None, help="Also write the figures to this file.")
 def plan(
@@ -373,6 +402,10 @@ def plan(
     frozen_dtype: str | None,
     quantize: str | None,
     preference: str | None,
+    rl: str | None,
+    num_generations: int | None,
+    max_new_tokens: int | None,
+    beta: float | None,
     specs: bool,
     json_path: str | None,
 ) -> None:
@@ -380,7 +413,8 @@ def plan(
     gpt-j-6b, opt-13b, opt-66b, ...) or a config.json. Compiles the AdamW train step
     on abstract shapes for the --target's devices (simulated CPU devices, or a TPU
     topology) and reports memory per device and an estimated step time. With
-    --lora-rank, plans LoRA fine-tuning: only the adapters get gradients and AdamW state."""
+    --lora-rank, plans LoRA fine-tuning: only the adapters get gradients and AdamW state.
+    With --rl grpo, plans a step of RL: the sampler and the train step, each compiled."""
     if json_path is not None:
         _check_writable(json_path, "--json")
     hardware = TARGETS[target]
@@ -389,9 +423,10 @@ def plan(
     _simulate_devices(devices if hardware.kind != "tpu" else 1)
     from .models import planning
 
-    what = f"planning {model}: compiling the train step for each layout tried"
+    step = "train step" if rl is None else "RL step's programs"
+    what = f"planning {model}: compiling the {step}" + (" for each layout tried" if search else "")
     try:
-        with heartbeat(what if search else f"planning {model}: compiling the train step"):
+        with heartbeat(what):
             result = planning.memory_plan(
                 model,
                 target=target,
@@ -413,6 +448,10 @@ def plan(
                 frozen_dtype=frozen_dtype,
                 quantize=quantize,
                 preference=preference,
+                rl=rl,
+                num_generations=num_generations,
+                max_new_tokens=max_new_tokens,
+                beta=beta,
             )
         if specs:  # after the plan's clock stopped: its last line times the compiles alone
             with heartbeat(f"planning {model}: tracing every weight's split"):

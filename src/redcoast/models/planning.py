@@ -92,6 +92,12 @@ def _dit_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Ar
     return noise_prediction_loss(model, images, prompts, key)
 
 
+_NO_SAMPLING = (
+    "an RL step samples completions with rc.sampling, which continues the prompts of a "
+    "causal LM (a decoder: GPT-2, OPT, LLaMA, Qwen, ...); not {}."
+)
+
+
 def _planned_dit(config: DiTConfig) -> planner.PlannedModel:
     """The DiT as the planner sees it: prompts of `seq_len` ids, no remat policies, and
     no context parallelism (its sequence is the image's patches)."""
@@ -105,6 +111,7 @@ def _planned_dit(config: DiTConfig) -> planner.PlannedModel:
             "context parallelism splits a causal decoder's sequence; the DiT's sequence is "
             "its image's patches, attended whole. Plan it without context_parallel."
         ),
+        no_sampling=_NO_SAMPLING.format("the DiT, which denoises images"),
         remats=False,
     )
 
@@ -160,6 +167,9 @@ def planned(
             if seq2seq
             else None
         ),
+        no_sampling=_NO_SAMPLING.format(f"{name}, an encoder-decoder")
+        if seq2seq or captions
+        else None,
     )
 
 

@@ -34,4 +34,5 @@ class Options:
 
     def given(self, *names: str) -> list[str]:
         """Which of `names` this call sets (not None, not False)."""
-        return [n for n in names if getattr(self, n) not in (None, False)]
+        # `is`, not `in (None, False)`: `in` compares with `==`, elementwise on an array.
+        return [n for n in names if getattr(self, n) is not None and getattr(self, n) is not False]

@@ -3,10 +3,11 @@
 XLA prints a compiled program as computations of instructions. A scanned layer
 stack is a `while` whose body runs `known_trip_count` times, so what the body
 does counts that many times (`multipliers`), and so do the bytes it moves
-(`bytes_accessed`). Collectives are read with their
-result sizes (`collective_bytes`). XLA:CPU computes bfloat16 matmuls in float32:
-it converts bfloat16 weights and saved activations to float32 copies that no GPU or
-TPU program makes (`cpu_float32_copies`).
+(`bytes_accessed`); a loop that stops on a value it computes (sampling's decode
+loop, which ends when every row has) runs as often as the caller says (`unbounded`).
+Collectives are read with their result sizes (`collective_bytes`). XLA:CPU computes
+bfloat16 matmuls in float32: it converts bfloat16 weights and saved activations to
+float32 copies that no GPU or TPU program makes (`cpu_float32_copies`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str]:
     return found, entry
 
 
-def _calls(text: str) -> tuple[dict[str, list[str]], str, dict[str, list[tuple[str, int, bool]]]]:
+def _calls(
+    text: str, unbounded: int = 1
+) -> tuple[dict[str, list[str]], str, dict[str, list[tuple[str, int, bool]]]]:
     """Computations, the entry's name, and each computation's callees: (name, times per
     run of the caller, whether the callee is a body of its own — a loop's or a branch —
     rather than fused into or applied by one instruction)."""
@@ -83,7 +86,7 @@ def _calls(text: str) -> tuple[dict[str, list[str]], str, dict[str, list[tuple[s
     edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
-            n = _trip_count(line, comps) if " while(" in line else 1
+            n = _trip_count(line, comps, unbounded) if " while(" in line else 1
             for kind, callees in _CALLS.findall(line):
                 own = kind in ("body", "condition", "branch_computations") or " call(" in line
                 for callee in callees.strip("{}").replace("%", "").split(","):
@@ -92,11 +95,12 @@ def _calls(text: str) -> tuple[dict[str, list[str]], str, dict[str, list[tuple[s
     return comps, entry, edges
 
 
-def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+def _trip_count(line: str, comps: dict[str, list[str]], unbounded: int = 1) -> int:
     """How many times a `while` runs: its `known_trip_count` (XLA:CPU, GPU), else the
     bound its condition compares the counter with (`i < N`, counting from 0 by 1, as
     `lax.scan` and `fori_loop` do, and XLA:TPU's windowed matmuls with an unsigned
-    counter), else once."""
+    counter) when that comparison is all the condition computes, else `unbounded` times
+    (a loop that stops on a value it computes, `i < N and not done`: sampling's)."""
     trips = _TRIPS.search(line)
     if trips:
         return int(trips[1])
@@ -105,19 +109,21 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
     bound = re.compile(r"=\s*[su]32\[\]\S*\s+constant\((\d+)\)")
     constants = [int(m[1]) for m in map(bound.search, body) if m]
     compares = [ln for ln in body if " compare(" in ln and "direction=LT" in ln]
-    return constants[0] if len(constants) == 1 and len(compares) == 1 else 1
+    counted = len(constants) == 1 and len(compares) == 1 and "ROOT " in compares[0]
+    return constants[0] if counted else unbounded
 
 
-def multipliers(text: str, *, own_bodies: bool = False) -> dict[str, int]:
+def multipliers(text: str, *, own_bodies: bool = False, unbounded: int = 1) -> dict[str, int]:
     """How many times each computation runs per run of the program.
 
-    A `while`'s body and condition run as often as the loop does (`_trip_count`);
-    fusions, calls and reductions run once per use. With
+    A `while`'s body and condition run as often as the loop does (`_trip_count`; a
+    loop whose trip count the program does not fix, `unbounded` times); fusions,
+    calls and reductions run once per use. With
     `own_bodies`, only the computations whose instructions run one by one: the
     entry, loop bodies and conditions, branches and calls (not what is fused into or
     applied by one instruction).
     """
-    _, entry, edges = _calls(text)
+    _, entry, edges = _calls(text, unbounded)
     counts: dict[str, int] = defaultdict(int)
 
     def visit(name: str, times: int, depth: int) -> None:
@@ -132,9 +138,10 @@ def multipliers(text: str, *, own_bodies: bool = False) -> dict[str, int]:
     return dict(counts)
 
 
-def bytes_accessed(text: str, *, once: bool = False) -> int:
+def bytes_accessed(text: str, *, once: bool = False, unbounded: int = 1) -> int:
     """Bytes one device reads and writes per run: every instruction's operands and
-    result, a loop's body counted as often as it runs.
+    result, a loop's body counted as often as it runs (`unbounded` times where the
+    program does not fix it; every body once with `once`).
 
     What XLA's cost analysis counts (equal to it on a program without loops), but per
     run of each loop body rather than once: an instruction or fusion reads its
@@ -145,7 +152,7 @@ def bytes_accessed(text: str, *, once: bool = False) -> int:
     """
     comps, _ = _computations(text)
     total = 0
-    for name, n in multipliers(text, own_bodies=True).items():
+    for name, n in multipliers(text, own_bodies=True, unbounded=unbounded).items():
         n = 1 if once else n
         types: dict[str, str] = {}
         moved = 0
@@ -159,7 +166,7 @@ def bytes_accessed(text: str, *, once: bool = False) -> int:
                 continue
             sizes = [shape_bytes(types.get(_operand_name(o), "")) for o in operands.split(",")]
             fused = _FUSED.search(line) if op == "fusion" else None
-            reads, written = _slices(comps.get(fused[1], []) if fused else [line])
+            reads, written = _slices(comps.get(fused[1], []) if fused else [line], comps)
             if op == "dynamic-update-slice" and len(sizes) > 1:
                 written = sizes[1]  # in place: the update, whose size the line does not show
             moved += sum(reads.get(i, size) for i, size in enumerate(sizes))
@@ -168,15 +175,16 @@ def bytes_accessed(text: str, *, once: bool = False) -> int:
     return total
 
 
-def loop_factor(text: str) -> float:
+def loop_factor(text: str, unbounded: int = 1) -> float:
     """How many times more bytes a run moves than a count of each loop body once:
-    what a compiler's cost analysis (which counts a body once) is multiplied by.
+    what a compiler's cost analysis (which counts a body once) is multiplied by (a
+    loop whose trip count the program does not fix run `unbounded` times).
 
     The ratio of `bytes_accessed` with loops counted to the same count with every
     body once, so the two compilers' own ways of counting (XLA:TPU's asynchronous
     copies, its multi-output fusions) stay theirs.
     """
-    loops = bytes_accessed(text)
+    loops = bytes_accessed(text, unbounded=unbounded)
     once = bytes_accessed(text, once=True)
     return loops / once if once else 1.0
 
@@ -186,42 +194,57 @@ def _operand_name(operand: str) -> str:
     return re.sub(r"/\*.*?\*/", "", operand).strip().split(" ")[-1].lstrip("%")
 
 
-def _slices(lines: list[str]) -> tuple[dict[int, int], int | None]:
+def _slices(
+    lines: list[str], comps: dict[str, list[str]] | None = None
+) -> tuple[dict[int, int], int | None]:
     """What an instruction (or a fused computation) reads of its operands and writes,
     where slices make it less than the whole: {operand index: bytes read} for an
     operand read only through dynamic slices, and the bytes written when its result
-    is a dynamic update in place (None otherwise)."""
-    found = [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
+    is a dynamic update in place (None otherwise). With the program's computations
+    `comps`, an operand passed on to a nested fusion is read as that fusion reads it
+    (XLA:TPU slices one layer of a stacked weight in a fusion inside the matmul's)."""
+    matched = [(m.groups(), line) for line in lines if (m := _INSTRUCTION.match(line))]
+    found = [groups for groups, _ in matched]
     if not found:
         return {}, None
     params = {name: int(ops) for name, _, op, ops in found if op == "parameter"}
     if len(found) == 1:  # one instruction: its operands are 0, 1, ...
         name, shape, op, ops = found[0]
         params = {_operand_name(o): i for i, o in enumerate(ops.split(","))}
-    users: dict[str, list[tuple[str, str, int, str]]] = defaultdict(list)
+    users: dict[str, list[tuple[str, str, int, int]]] = defaultdict(list)
     by_name = {name: (shape, op, ops) for name, shape, op, ops in found}
-    for name, shape, op, ops in found:
+    for (name, shape, op, ops), line in matched:
+        nested = _FUSED.search(line) if op == "fusion" and comps is not None else None
+        inner = _slices(comps.get(nested[1], []), comps)[0] if comps and nested else {}
         for position, operand in enumerate(ops.split(",")):
-            users[_operand_name(operand)].append((name, op, position, shape))
+            if position in inner:  # read as the nested fusion reads its parameter
+                how = "dynamic-slice" if inner[position] else "dynamic-update-slice"
+                users[_operand_name(operand)].append((name, how, 0, inner[position]))
+            else:
+                users[_operand_name(operand)].append((name, op, position, shape_bytes(shape)))
 
-    def uses(name: str) -> list[tuple[str, int, str]]:
-        """Who reads `name`, looking through conversions (XLA:CPU converts a bfloat16
-        stack to float32 around an update in place; other compilers update it as it is)."""
+    def uses(name: str) -> list[tuple[str, int, int]]:
+        """Who reads `name`: (op, operand position, bytes of its result), looking
+        through conversions (XLA:CPU converts a bfloat16 stack to float32 around an
+        update in place; other compilers update it as it is)."""
         found_uses = []
-        for user, op, position, shape in users.get(name, []):
+        for user, op, position, size in users.get(name, []):
             if op in _PASS_THROUGH:
                 found_uses += uses(user)
             else:
-                found_uses.append((op, position, shape))
+                found_uses.append((op, position, size))
         return found_uses
 
     reads: dict[int, int] = {}
     for param, index in params.items():
         read = uses(param)
-        if read and all(op in _SLICES and pos == 0 for op, pos, _ in read):
-            reads[index] = sum(shape_bytes(shape) for _, _, shape in read)
-        elif read and all(op == "dynamic-update-slice" and pos == 0 for op, pos, _ in read):
-            reads[index] = 0
+        # Read through slices (what they take of it) and updated in place (nothing):
+        # a scatter of one slot a row, which XLA:TPU runs as a loop over the rows,
+        # reads the slot it may keep and writes it back into the whole buffer.
+        if read and all(
+            pos == 0 and op in (*_SLICES, "dynamic-update-slice") for op, pos, _ in read
+        ):
+            reads[index] = sum(size for op, _, size in read if op in _SLICES)
     root, (_, op, ops) = found[-1][0], found[-1][1:]
     while op in _PASS_THROUGH and _operand_name(ops) in by_name:
         root = _operand_name(ops)
@@ -232,9 +255,9 @@ def _slices(lines: list[str]) -> tuple[dict[int, int], int | None]:
     return reads, shape_bytes(by_name[update][0]) if update in by_name else None
 
 
-def collective_bytes(text: str) -> int:
+def collective_bytes(text: str, unbounded: int = 1) -> int:
     """Bytes that collectives produce on one device per run, each counted as often as its
-    computation runs.
+    computation runs (a loop whose trip count the program does not fix, `unbounded` times).
 
     An asynchronous start counts its results, not the operands its result names too.
     XLA:TPU writes an asynchronous collective as fusions that each name it: one that
@@ -244,7 +267,7 @@ def collective_bytes(text: str) -> int:
     as the reduce-scatter it is, by the fusion's result.
     """
     comps, _ = _computations(text)
-    times = multipliers(text)
+    times = multipliers(text, unbounded=unbounded)
     finishing: dict[str, list[bool]] = defaultdict(list)
     for lines in comps.values():
         for line in lines:

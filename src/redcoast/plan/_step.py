@@ -37,12 +37,16 @@ from ..parallel.sharding import sharding_plan
 from ..train.step import LossFn
 from ..train.throughput import matmul_flops
 from ._hlo import collective_bytes, cpu_float32_copies, loop_factor
-from ._report import Layout, LoRA
+from ._report import RL, Layout, LoRA
 
 __all__ = [
     "Measured",
     "PlannedModel",
     "compile_step",
+    "compile_traced",
+    "grpo",
+    "local_bytes",
+    "placed_params",
     "plan_specs",
     "trace_step",
     "with_lora",
@@ -83,6 +87,8 @@ class PlannedModel:
         positions: the longest sequence the model takes; None if unlimited.
         no_context_parallel: why context parallelism cannot split this model (an
             encoder-decoder's masks), or None.
+        no_sampling: why `rc.sampling` cannot sample this model, so no RL step can be
+            planned for it (an encoder-decoder, the DiT), or None.
         remats: `build` honours the remat policy, so a search may try them.
     """
 
@@ -94,6 +100,7 @@ class PlannedModel:
     heads: int | None = None
     positions: int | None = None
     no_context_parallel: str | None = None
+    no_sampling: str | None = None
     remats: bool = True
 
     @classmethod
@@ -177,7 +184,8 @@ def _is_abstract(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
 
 
-def _local_bytes(tree: PyTree) -> int:
+def local_bytes(tree: PyTree) -> int:
+    """Bytes of one device's shards of the abstract arrays of `tree`."""
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
         shape = leaf.sharding.shard_shape(leaf.shape)
@@ -195,7 +203,7 @@ def plan_specs(abstract: Any, layout: Layout, model: PlannedModel) -> ShardingPl
     )
 
 
-def _placed_params(
+def placed_params(
     model: PlannedModel,
     key: PRNGKeyArray,
     layout: Layout,
@@ -258,6 +266,11 @@ class Measured:
         tokens: tokens of the global batch.
         refused: the compiler's message when it refused the step as larger than
             the device (the TPU compiler does); `temporaries` is then its figure.
+        loop_flops, loop_bytes, loop_collective_bytes: FLOPs (all devices), bytes
+            and collectives' bytes (one device) of one run of the loops whose trip
+            count the program does not fix (sampling's decode loop, which stops when
+            every row has ended), counted once in `flops`, `bytes_accessed` and
+            `collective_bytes`; 0 for a program without.
     """
 
     n_params: int
@@ -273,13 +286,25 @@ class Measured:
     collective_bytes: int
     cpu_copies: int
     refused: str | None = None
+    loop_flops: float = 0.0
+    loop_bytes: float = 0.0
+    loop_collective_bytes: int = 0
+
+    def traffic(self, *, gpu: bool) -> float:
+        """Bytes one device moves: the compiler's count; for a GPU, whose program is
+        not XLA:CPU's (bfloat16 computed in float32, fewer fusions), what any program
+        must move: every argument read and every output and temporary written and
+        read once, without the CPU's float32 copies."""
+        if not gpu:
+            return self.bytes_accessed
+        return float(self.peak + self.temporaries - 2 * self.cpu_copies)
 
 
 def _loss_and_batch(
     model: PlannedModel, layout: Layout, mesh: Mesh, lora: LoRA | None
 ) -> tuple[Callable[..., Any], dict[str, Any], int, dict[str, Any]]:
-    """The step's loss, its abstract batch, the rows one step reads, and the step's
-    options these imply (context parallelism)."""
+    """The step's loss, its abstract batch, the tokens one step trains on, and the
+    step's options these imply (context parallelism)."""
     options: dict[str, Any] = {}
     n_data = layout.devices // layout.n_model_shards
     if layout.context_parallel:
@@ -296,9 +321,14 @@ def _loss_and_batch(
             (rows, tokens), jnp.int32, sharding=NamedSharding(mesh, spec)
         )
     }
+    trained = rows * layout.seq_len
     if layout.preference is not None:
         loss, batch = _preference(layout.preference, lora, rows, layout.seq_len, mesh)
-    return loss, batch, rows, options
+        trained *= 2  # both answers of each pair
+    if layout.rl is not None:
+        loss, batch = _rl_batch(layout.rl, rows, layout.seq_len, mesh)
+        trained = math.prod(batch["input_ids"].shape)  # every completion with its prompt
+    return loss, batch, trained, options
 
 
 def trace_step(
@@ -322,10 +352,10 @@ def trace_step(
     devices = list(jax.devices()[: layout.devices] if devices is None else devices)
     mesh = make_mesh(layout.n_model_shards, devices=devices)
     key = jax.random.key(0)
-    params, static, trained, mask = _placed_params(model, key, layout, mesh, lora)
+    params, static, trained, mask = placed_params(model, key, layout, mesh, lora)
     optimizer = optax.adamw(1e-4)
     state = _placed_opt_state(optimizer, trained, params, mesh)
-    loss, batch, rows, options = _loss_and_batch(model, layout, mesh, lora)
+    loss, batch, tokens, options = _loss_and_batch(model, layout, mesh, lora)
     if layout.precision != "fp32":
         options["precision"] = layout.precision
     if mask is not None:
@@ -348,12 +378,12 @@ def trace_step(
     traced = jax.jit(run, donate_argnums=(0, 1)).trace(params, state, batch, key_shape)
     common = {
         "n_params": _n_params(eqx.combine(params, static)),
-        "params": _local_bytes(params),
-        "opt_state": _local_bytes(state),
-        "gradients": _local_bytes(trained),  # one gradient per trainable parameter
+        "params": local_bytes(params),
+        "opt_state": local_bytes(state),
+        "gradients": local_bytes(trained),  # one gradient per trainable parameter
         "flops": matmul_flops(traced.jaxpr)[0],
-        "tokens": rows * layout.seq_len * (1 if layout.preference is None else 2),
-        "batch": _local_bytes(batch),
+        "tokens": tokens,
+        "batch": local_bytes(batch),
     }
     return traced, common, devices
 
@@ -375,7 +405,31 @@ def compile_step(
     """
     start = time.perf_counter()
     traced, common, devices = trace_step(model, layout, lora, devices)
-    batch_bytes = common.pop("batch")
+    return compile_traced(traced, common, start=start, on_cpu=devices[0].platform == "cpu")
+
+
+def compile_traced(
+    traced: jax.stages.Traced,
+    common: dict[str, Any],
+    *,
+    start: float,
+    on_cpu: bool,
+    open_loop: bool = False,
+) -> Measured:
+    """Lower and compile a traced program and measure it (`seconds` since `start`).
+
+    Args:
+        traced: the program, traced on abstract arguments.
+        common: what is known of it before compiling, as `trace_step` gives it: its
+            `batch` (the bytes of its inputs besides parameters and optimizer state)
+            counts among the arguments of a program the compiler refuses.
+        start: when its tracing began.
+        on_cpu: compiled by XLA:CPU, whose float32 copies are counted.
+        open_loop: the program has a loop whose trip count it does not fix (sampling's
+            decode loop): measure one run of it too (`Measured.loop_bytes`).
+    """
+    common = dict(common)
+    inputs = common.pop("batch")
     try:
         compiled = traced.lower().compile()
     except jax.errors.JaxRuntimeError as err:
@@ -383,7 +437,7 @@ def compile_step(
         temp = _refused_temporaries(str(err))
         if temp is None:
             raise
-        arguments = common["params"] + common["opt_state"] + batch_bytes
+        arguments = common["params"] + common["opt_state"] + inputs
         return Measured(
             **common,
             temporaries=temp,
@@ -394,28 +448,36 @@ def compile_step(
             cpu_copies=0,
             refused=str(err).split("\n")[0],
         )
-    on_cpu = devices[0].platform == "cpu"
-    return _measured(compiled, common, time.perf_counter() - start, on_cpu=on_cpu)
+    seconds = time.perf_counter() - start
+    return _measured(compiled, common, seconds, on_cpu=on_cpu, open_loop=open_loop)
 
 
-def _measured(compiled: Any, common: dict[str, Any], seconds: float, *, on_cpu: bool) -> Measured:
-    """`Measured` from a compiled step (`common` as `trace_step` gives it, less its
-    `batch`): its memory, bytes, collectives and copies."""
+def _measured(
+    compiled: Any, common: dict[str, Any], seconds: float, *, on_cpu: bool, open_loop: bool
+) -> Measured:
+    """`Measured` from a compiled program (`common` as `trace_step` gives it, less its
+    `batch`): its memory, bytes, collectives and copies (and one run of its open loop's)."""
     stats = compiled.memory_analysis()
     if stats is None:
         raise RuntimeError(f"XLA gave no memory analysis for {jax.default_backend()}.")
     temp = int(stats.temp_size_in_bytes)
     outputs = int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes)
     text = compiled.as_text() or ""
-    cost = _cost_analysis(compiled)
+    counted = float(_cost_analysis(compiled).get("bytes accessed", 0.0))
+    once = loop_factor(text)
+    loop: dict[str, Any] = {}
+    if open_loop:
+        loop["loop_bytes"] = counted * (loop_factor(text, unbounded=2) - once)
+        loop["loop_collective_bytes"] = collective_bytes(text, unbounded=2) - collective_bytes(text)
     return Measured(
         **common,
         temporaries=temp,
         peak=int(stats.argument_size_in_bytes) + temp + max(outputs, 0),
         seconds=seconds,
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)) * loop_factor(text),
+        bytes_accessed=counted * once,
         collective_bytes=collective_bytes(text),
         cpu_copies=cpu_float32_copies(text) if on_cpu else 0,
+        **loop,
     )
 
 
@@ -456,6 +518,35 @@ def _preference(
         return functools.partial(preference.dpo_loss, reference=reference), batch
     losses = {"simpo": preference.simpo_loss, "orpo": preference.orpo_loss}
     return losses[kind], batch
+
+
+def grpo(rl: RL) -> Any:
+    """The `rc.rl.GRPO` settings an RL plan's step runs: `rl`'s, TRL's defaults otherwise."""
+    from ..rl import GRPO
+
+    return GRPO(num_generations=rl.num_generations, max_new_tokens=rl.max_new_tokens, beta=rl.beta)
+
+
+def _rl_batch(
+    rl: RL, prompts: int, prompt_len: int, mesh: Mesh
+) -> tuple[LossFn, dict[str, jax.ShapeDtypeStruct]]:
+    """The loss `rc.rl.train` runs, and the batch its rollout makes of `prompts` prompts
+    of `prompt_len` tokens (`rc.rl.GroupRollout.example`): a row per completion, the
+    prompt and `max_new_tokens`, with its mask, advantage and token count, and the
+    reference's log-probabilities under a KL penalty."""
+    algorithm = grpo(rl)
+    rows, seq = prompts * rl.num_generations, prompt_len + rl.max_new_tokens
+    shapes = {
+        "input_ids": ((rows, seq), jnp.int32),
+        "completion_mask": ((rows, seq), jnp.bool_),
+        "advantages": ((rows,), jnp.float32),
+        "tokens_per_row": ((rows,), jnp.float32),
+    }
+    if algorithm.needs_reference:
+        shapes["ref_logps"] = ((rows, seq), jnp.float32)
+    split = NamedSharding(mesh, P(DATA))
+    batch = {k: jax.ShapeDtypeStruct(*shape, sharding=split) for k, shape in shapes.items()}
+    return algorithm.loss_fn(), batch
 
 
 def _cost_analysis(compiled: Any) -> dict[str, Any]:

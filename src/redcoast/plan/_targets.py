@@ -22,7 +22,18 @@ import dataclasses
 import importlib.util
 from typing import Any
 
-__all__ = ["TARGETS", "StepEstimate", "Target", "estimate", "target_devices", "target_named"]
+from .._units import fmt_bytes
+
+__all__ = [
+    "TARGETS",
+    "DecodeEstimate",
+    "StepEstimate",
+    "Target",
+    "decode_estimate",
+    "estimate",
+    "target_devices",
+    "target_named",
+]
 
 GiB = 2**30
 
@@ -219,9 +230,9 @@ def estimate(
     if target.flops is None or target.bandwidth is None:
         return None
     per_device = flops / devices
-    compute = per_device / target.flops
-    memory = bytes_per_device / target.bandwidth
-    communication = collective_bytes / target.interconnect if target.interconnect else 0.0
+    compute, memory, communication = _roofline(
+        target, per_device, bytes_per_device, collective_bytes
+    )
     seconds = max(compute, memory) + communication
     trainable = n_params if n_trainable is None else n_trainable
     model_flops = (4 * n_params + 2 * trainable) * tokens
@@ -234,4 +245,123 @@ def estimate(
         mfu=model_flops / (devices * target.flops * seconds),
         flops_per_device=per_device,
         bytes_per_device=bytes_per_device,
+    )
+
+
+def _roofline(
+    target: Target, flops: float, bytes_moved: float, collective_bytes: int
+) -> tuple[float, float, float]:
+    """Seconds of one device's FLOPs at the target's peak, of its bytes at its memory
+    bandwidth, and of its collectives over the interconnect."""
+    assert target.flops is not None and target.bandwidth is not None
+    communication = collective_bytes / target.interconnect if target.interconnect else 0.0
+    return flops / target.flops, bytes_moved / target.bandwidth, communication
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeEstimate:
+    """How long sampling takes on a target: the prompts' prefill, then a decode step per token.
+
+    The sampler's program is the prompts through the model (the prefill, filling the
+    key/value cache) and a loop that feeds one token of every row through the model
+    and reads the whole cache at each step. Each part is a roofline as in
+    `StepEstimate`: FLOPs at the peak or bytes at the bandwidth, whichever takes
+    longer, plus collectives over the interconnect, the prefill's once and a decode
+    step's once per new token. FLOPs are counted on the traced program (the decode
+    loop's body once per step), bytes and collectives on the compiled one (the
+    loop's body per run). A decode step reads every weight and the cache for about
+    2 FLOPs a weight a row, so at small batches it is memory-bound: its time is what
+    it reads over the bandwidth. The loop stops when every row has produced its
+    end-of-sequence token; it is counted to `max_new_tokens`, the longest sampling
+    takes. A lower bound of that longest time, as `StepEstimate` is of a step's.
+
+    Attributes:
+        seconds: the prefill and every decode step.
+        prefill: seconds of the program outside the decode loop (prefill, first draw).
+        step: seconds of one decode step.
+        steps: decode steps counted (`max_new_tokens - 1`: the prefill draws the first).
+        step_compute: seconds of a decode step's FLOPs at peak.
+        step_memory: seconds of a decode step's bytes at full bandwidth.
+        step_communication: seconds of a decode step's collectives.
+        step_flops: FLOPs of one decode step on one device.
+        step_bytes: bytes one device reads and writes in a decode step.
+        step_floor: what a decode step reads at least: every weight one device
+            computes with (its shards, FSDP's gathered) and its part of the cache,
+            once. The compiled step moves more: it reads a layer's cache into the
+            attention and writes it back, and copies between layouts.
+        tokens_per_second: tokens the slice samples (every row to `max_new_tokens`)
+            over `seconds`.
+    """
+
+    seconds: float
+    prefill: float
+    step: float
+    steps: int
+    step_compute: float
+    step_memory: float
+    step_communication: float
+    step_flops: float
+    step_bytes: float
+    step_floor: float
+    tokens_per_second: float
+
+    def __str__(self) -> str:
+        bound = "memory" if self.step_memory >= self.step_compute else "compute"
+        return (
+            f"estimated sampling (the same roofline): {self.seconds:.2f} s = prefill "
+            f"{self.prefill * 1e3:.1f} ms + {self.steps:,} decode steps x "
+            f"{self.step * 1e3:.2f} ms, each {bound}-bound (moves {fmt_bytes(self.step_bytes)}, "
+            f"the weights and cache once {fmt_bytes(self.step_floor)}: "
+            f"{self.step_memory * 1e3:.2f} ms; {self.step_flops / 1e9:.1f} GFLOP: "
+            f"{self.step_compute * 1e3:.2f} ms; collectives {self.step_communication * 1e3:.2f} "
+            f"ms); {self.tokens_per_second:,.0f} sampled tokens/s"
+        )
+
+
+def decode_estimate(
+    target: Target,
+    *,
+    devices: int,
+    flops: tuple[float, float],
+    bytes_per_device: tuple[float, float],
+    collective_bytes: tuple[int, int],
+    steps: int,
+    tokens: int,
+    floor: int,
+) -> DecodeEstimate | None:
+    """The time of a sampling program on `target`, or None without its figures.
+
+    Args:
+        target: the hardware.
+        devices: devices the program runs on.
+        flops: (outside the decode loop, one decode step), on all devices.
+        bytes_per_device: (outside the loop, one step), bytes one device moves.
+        collective_bytes: (outside the loop, one step), bytes collectives produce on
+            one device.
+        steps: decode steps.
+        tokens: tokens the slice samples.
+        floor: bytes a decode step reads at least on one device (the weights it
+            computes with and its part of the cache).
+    """
+    if target.flops is None or target.bandwidth is None:
+        return None
+    outside = _roofline(target, flops[0] / devices, bytes_per_device[0], collective_bytes[0])
+    compute, memory, communication = _roofline(
+        target, flops[1] / devices, bytes_per_device[1], collective_bytes[1]
+    )
+    prefill = max(outside[:2]) + outside[2]
+    step = max(compute, memory) + communication
+    seconds = prefill + steps * step
+    return DecodeEstimate(
+        seconds=seconds,
+        prefill=prefill,
+        step=step,
+        steps=steps,
+        step_compute=compute,
+        step_memory=memory,
+        step_communication=communication,
+        step_flops=flops[1] / devices,
+        step_bytes=bytes_per_device[1],
+        step_floor=float(floor),
+        tokens_per_second=tokens / seconds,
     )

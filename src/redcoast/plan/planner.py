@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from .._checks import check_choice
+from .._checks import check_choice, check_positive
 from .._units import fmt_bytes as fmt_bytes
 from .._units import parse_bytes as parse_bytes
 from ..nn._kernels import planned_for
@@ -38,9 +38,12 @@ from ..quant import check_format
 from ._report import PRECISIONS as PRECISIONS
 from ._report import PREFERENCES as PREFERENCES
 from ._report import REMATS as REMATS
+from ._report import RL as RL
+from ._report import RL_ALGORITHMS as RL_ALGORITHMS
 from ._report import Layout as Layout
 from ._report import LoRA as LoRA
 from ._report import MemoryPlan as MemoryPlan
+from ._rl import check_sampling, measure_rl
 from ._step import PlannedModel as PlannedModel
 from ._step import compile_step, plan_specs
 from ._step import next_token_loss as next_token_loss
@@ -51,25 +54,8 @@ _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float
 _DTYPES |= {"fp16": "float16", "float16": "float16"}
 
 
-def _lora_settings(
-    rank: int,
-    targets: str | tuple[str, ...] | list[str] | None,
-    frozen_dtype: Any,
-    quantize: str | None = None,
-) -> LoRA | None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"lora_rank must be an int >= 0 (0: no LoRA), got {rank!r}.")
-    if quantize is not None:
-        check_format(quantize)
-    if rank == 0:
-        if targets is not None or frozen_dtype is not None or quantize is not None:
-            raise ValueError(
-                "lora_targets, frozen_dtype and quantize need lora_rank > 0: a quantized base "
-                "is frozen, and trains only through adapters."
-            )
-        return None
-    if isinstance(targets, str):
-        targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+def _frozen_dtype(frozen_dtype: Any) -> str:
+    """The dtype name frozen weights are stored in: bfloat16 unless asked otherwise."""
     if frozen_dtype is None or isinstance(frozen_dtype, str):
         name = _DTYPES.get((frozen_dtype or "bf16").lower(), "")
     else:
@@ -78,7 +64,72 @@ def _lora_settings(
         raise ValueError(
             f"frozen_dtype {frozen_dtype!r}: choose bf16, fp16 or fp32 (or a jnp dtype of those)."
         )
+    return name
+
+
+def _lora_settings(
+    rank: int,
+    targets: str | tuple[str, ...] | list[str] | None,
+    frozen_dtype: Any,
+    quantize: str | None = None,
+    *,
+    reference_copy: bool = False,
+) -> LoRA | None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"lora_rank must be an int >= 0 (0: no LoRA), got {rank!r}.")
+    if quantize is not None:
+        check_format(quantize)
+    if rank == 0:
+        if (
+            targets is not None
+            or quantize is not None
+            or (frozen_dtype is not None and not reference_copy)
+        ):
+            raise ValueError(
+                "lora_targets, frozen_dtype and quantize need lora_rank > 0: a quantized base "
+                "is frozen, and trains only through adapters (without LoRA, frozen_dtype is "
+                "the dtype of an RL plan's reference copy, with rl and beta > 0)."
+            )
+        return None
+    if isinstance(targets, str):
+        targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    name = _frozen_dtype(frozen_dtype)
     return LoRA(rank, None if targets is None else tuple(targets), name, quantize)
+
+
+def _rl_settings(
+    rl: str | None,
+    num_generations: int | None,
+    max_new_tokens: int | None,
+    beta: float | None,
+    reference_dtype: str | None,
+) -> RL | None:
+    """`memory_plan`'s RL options as an `RL`, each checked; None without `rl`."""
+    if rl is None:
+        given = {"num_generations": num_generations, "max_new_tokens": max_new_tokens, "beta": beta}
+        named = [name for name, value in given.items() if value is not None]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)} set an RL step, which rl= asks to plan: pass rl='grpo' "
+                "(redcoast plan --rl grpo)."
+            )
+        return None
+    check_choice("rl", rl, RL_ALGORITHMS, "rc.rl.train's GRPO is planned.")
+    defaults = RL()
+    settings = RL(
+        rl,
+        defaults.num_generations if num_generations is None else num_generations,
+        defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        defaults.beta if beta is None else beta,
+    )
+    check_positive("num_generations", settings.num_generations, optional=False)
+    check_positive("max_new_tokens", settings.max_new_tokens, optional=False)
+    if isinstance(settings.beta, bool) or not isinstance(settings.beta, int | float):
+        raise ValueError(f"beta must be a number >= 0 (the KL penalty's weight), got {beta!r}.")
+    if not settings.beta >= 0:
+        raise ValueError(f"beta must be >= 0 (the KL penalty's weight; 0: none), got {beta!r}.")
+    copy = reference_dtype if settings.beta > 0 else None
+    return dataclasses.replace(settings, beta=float(settings.beta), reference_dtype=copy)
 
 
 def sharding_plan_of(model: PlannedModel, layout: Layout, lora: LoRA | None = None) -> ShardingPlan:
@@ -119,6 +170,8 @@ def _check_layout(layout: Layout, model: PlannedModel, *, compiles_here: bool) -
             "preference tuning is planned with whole pairs on each device; plan it without "
             "context_parallel (sequence_parallel or remat keep long pairs small)."
         )
+    if layout.rl is not None:
+        _check_rl(layout, model)
     if layout.precision not in PRECISIONS:
         raise ValueError(f"precision {layout.precision!r}: choose one of {PRECISIONS}.")
     if layout.remat not in REMATS:
@@ -144,6 +197,14 @@ def _check_layout(layout: Layout, model: PlannedModel, *, compiles_here: bool) -
             f"heads; choose a divisor of {heads}."
         )
     positions = model.positions
+    if positions is not None and layout.rl is not None:
+        new = layout.rl.max_new_tokens
+        if layout.seq_len + new > positions:
+            raise ValueError(
+                f"an RL step's rows are the prompt and its completion: {layout.seq_len} + {new} "
+                f"tokens, longer than the model's {positions} positions; plan shorter prompts "
+                "(seq_len) or fewer max_new_tokens."
+            )
     if positions is not None and layout.seq_len > positions:
         raise ValueError(
             f"seq_len {layout.seq_len} is longer than the model's {positions} positions."
@@ -155,6 +216,22 @@ def _check_layout(layout: Layout, model: PlannedModel, *, compiles_here: bool) -
             f"rc.simulate_devices({layout.devices}) before JAX starts, or run `redcoast "
             "plan`, which does."
         )
+
+
+def _check_rl(layout: Layout, model: PlannedModel) -> None:
+    """An RL step is planned as `rc.rl.train` runs it: on a model `rc.sampling` samples,
+    with whole rows on each device."""
+    if layout.preference is not None:
+        raise ValueError(
+            f"plan preference tuning ({layout.preference}) or an RL step, not both: "
+            "preference= or rl=."
+        )
+    if layout.context_parallel:
+        raise ValueError(
+            "an RL step samples and trains on whole rows on each device; plan it without "
+            "context_parallel (remat or sequence_parallel keep long rows small)."
+        )
+    check_sampling(model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +251,11 @@ def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan
     # cuDNN's fused attention would run (no score matrix), not by the CPU's einsum.
     with planned_for("gpu" if job.target.kind == "gpu" else None):
         found = compile_step(job.model, layout, job.lora, devices=devices)
+        rl_step = None
+        if layout.rl is not None:
+            rl_step = measure_rl(
+                job.model, layout, job.lora, devices, target=job.target, train=found
+            )
     job.compiled.append(layout)
     n_trainable = found.n_params
     if job.lora is not None:
@@ -184,13 +266,9 @@ def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan
         kept = eqx.filter(abstract, trainable(abstract))
         n_trainable = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(kept))
     # A GPU runs bfloat16 matmuls as they are: what XLA:CPU copies to float32 is left out.
-    copies = found.cpu_copies if job.target.kind == "gpu" else 0
-    moved = found.bytes_accessed
-    if job.target.kind == "gpu":
-        # XLA:CPU's traffic (bfloat16 computed in float32, fewer fusions) is not a GPU's:
-        # count what any program must move, every argument read and every output and
-        # temporary written and read once.
-        moved = found.peak - copies + found.temporaries - copies
+    gpu = job.target.kind == "gpu"
+    copies = found.cpu_copies if gpu else 0
+    moved = found.traffic(gpu=gpu)
     step = (
         None
         if found.refused
@@ -213,9 +291,9 @@ def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan
         found.opt_state,
         found.gradients,
         found.temporaries - copies,
-        found.peak - copies,
+        found.peak - copies if rl_step is None else rl_step.peak,
         device_memory,
-        compile_seconds=found.seconds,
+        compile_seconds=found.seconds + (0.0 if rl_step is None else rl_step.compile_seconds),
         seconds=found.seconds,
         lora=job.lora,
         n_trainable=n_trainable,
@@ -223,6 +301,7 @@ def _measure(job: _Job, layout: Layout, device_memory: int | None) -> MemoryPlan
         cpu_copies=copies,
         estimate=step,
         refused=found.refused,
+        rl_step=rl_step,
     )
 
 
@@ -250,11 +329,14 @@ def _max_batch(job: _Job, first: MemoryPlan, budget: int) -> int | None:
 def _longest_seq(job: _Job, first: MemoryPlan, budget: int) -> int | None:
     """The longest sequence whose peak fits: doubling, then halving the gap to 128 tokens.
 
-    Stops at `limit` (the model's positions), or at 32 times the planned length.
+    Stops at the model's positions (an RL step's prompts, at them less the completion),
+    or at 32 times the planned length.
     """
     if first.peak > budget:
         return None
     cap = job.model.positions or 32 * first.layout.seq_len
+    if job.model.positions is not None and first.layout.rl is not None:
+        cap -= first.layout.rl.max_new_tokens
 
     def fits(seq: int) -> bool:
         layout = dataclasses.replace(first.layout, seq_len=seq)
@@ -277,7 +359,16 @@ RANKINGS = ("memory", "time")
 
 
 def _tokens_per_second(plan: MemoryPlan) -> float:
-    return 0.0 if plan.estimate is None else plan.estimate.tokens_per_second
+    """The train step's estimated tokens per second; an RL step's, its rows' tokens over
+    the time of all its programs."""
+    if plan.estimate is None:
+        return 0.0
+    if plan.rl_step is None:
+        return plan.estimate.tokens_per_second
+    seconds = plan.rl_seconds
+    if seconds is None:
+        return 0.0
+    return plan.estimate.tokens_per_second * plan.estimate.seconds / seconds
 
 
 def _candidates(layout: Layout, model: PlannedModel) -> Iterator[Layout]:
@@ -341,6 +432,10 @@ def memory_plan(
     sequence_parallel: bool = False,
     context_parallel: bool = False,
     preference: str | None = None,
+    rl: str | None = None,
+    num_generations: int | None = None,
+    max_new_tokens: int | None = None,
+    beta: float | None = None,
     device_memory: int | str | None = None,
     search: bool = False,
     rank_by: str = "memory",
@@ -376,6 +471,24 @@ def memory_plan(
             (`rc.preference`) on `per_device_batch_size` pairs per device, both
             answers of `seq_len` tokens; DPO's reference is the model with its
             adapters off under LoRA, else log-probabilities precomputed beside the rows.
+        rl: `"grpo"`: plan a step of `rc.rl.train` with `rc.rl.GRPO`'s settings (TRL's
+            defaults but these): `per_device_batch_size` prompts of `seq_len` tokens a
+            device. Its programs are compiled one by one: the sampler
+            (`rc.sampling.sample` on the model as the step places it, every prompt's
+            `num_generations` completions with a key/value cache of the prompt and
+            `max_new_tokens`), with `beta > 0` the reference's log-probabilities (a
+            forward pass over the rows), and the train step (`rc.rl.policy_loss` on
+            `per_device_batch_size x num_generations` rows of `seq_len +
+            max_new_tokens` tokens). The peak is the largest of theirs, the time
+            estimate their sum (`RLStep`); the optimizer state is held while
+            sampling.
+        num_generations: with `rl`, completions of each prompt (default 8).
+        max_new_tokens: with `rl`, the longest completion (default 256).
+        beta: with `rl`, the KL penalty's weight (default 0, TRL's). Above 0, the
+            reference is the model with its adapters off under LoRA, else a frozen
+            copy of the model on every device, stored in `frozen_dtype` (bfloat16 by
+            default: pass `rc.rl.train` a reference of that dtype, as its
+            `reference="copy"` copies the model in its own).
         device_memory: memory per device to judge fit: a string with its unit
             (`"32GB"`, `"40GiB"`; a bare `"40"` is refused) or an int of bytes.
         search: find the cheapest layout that fits `device_memory` instead (see
@@ -396,7 +509,7 @@ def memory_plan(
             to adapt; by default every Linear but the output head, i.e. each
             block's attention and MLP projections (see `LoRA`).
         frozen_dtype: the dtype of frozen weights with LoRA, `"bf16"` (the default),
-            `"fp16"` or `"fp32"`.
+            `"fp16"` or `"fp32"`; without LoRA, of an RL plan's reference copy.
         quantize: with LoRA, `"nf4"` (QLoRA) or `"int8"`: every Linear but the head
             quantized (`rc.quantize`), decoded in `frozen_dtype` inside the step.
 
@@ -420,13 +533,16 @@ def memory_plan(
     if device_memory is None and hardware.memory is not None:
         device_memory = hardware.memory
     budget = None if device_memory is None else parse_bytes(device_memory)
-    lora = _lora_settings(lora_rank, lora_targets, frozen_dtype, quantize)
+    copies = rl is not None and bool(beta)  # a full fine-tune's KL penalty: a reference copy
+    lora = _lora_settings(lora_rank, lora_targets, frozen_dtype, quantize, reference_copy=copies)
+    reference = _frozen_dtype(frozen_dtype) if copies and lora is None else None
     layout = Layout(devices, n_model_shards, fsdp, precision, remat, per_device_batch_size, seq_len)
     layout = dataclasses.replace(
         layout,
         sequence_parallel=sequence_parallel,
         context_parallel=context_parallel,
         preference=preference,
+        rl=_rl_settings(rl, num_generations, max_new_tokens, beta, reference),
     )
     if not isinstance(model, PlannedModel):
         if not callable(model):
