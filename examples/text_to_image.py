@@ -2,11 +2,12 @@
 adaptive LayerNorm on its prompt draws the captioning example's scenes ("red circle above
 blue square"), split over `n_model_shards` devices by redcoast's rules, with colour-shape
 pairs it never saw: three, no two sharing a colour or a shape, are held out of training.
-A prompt's embedding is the mean of its words', so each word says which shape it describes
-("red" of the first shape is another word than of the second). The DiT learns the standard
-noise-prediction loss (Ho et al. 2020); `pred_fn` samples held-out prompts with DDIM (Song
-et al. 2021). A linear classifier of single real shapes names each half of a sample: the
-quality figure is the fraction with both shapes' colour, shape and place right.
+Each word says which shape it describes ("red" of the first shape is another word than of
+the second); the DiT reads their mean (adaLN) and each word, in its attention beside the
+patches (`prompt_tokens`). It learns the standard noise-prediction loss (Ho et al.
+2020); `pred_fn` samples held-out prompts with DDIM (Song et al. 2021). A linear
+classifier of single real shapes names each half of a sample: the quality figure is the
+fraction with both shapes' colour, shape and place right.
 """
 
 import itertools
@@ -127,7 +128,8 @@ def main(
         return {"recognised": float(match.reshape(-1, 6).all(1).mean()), **each}
 
     config = DiTConfig(image_size=SIZE, patch_size=4, hidden_size=128, num_layers=4,
-                       num_heads=4, vocab_size=len(WORDS), timesteps=200)  # fmt: skip
+                       num_heads=4, vocab_size=len(WORDS), timesteps=200,
+                       prompt_tokens=True)  # fmt: skip
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max_steps // 10, max_steps)
     result = rc.fit(DiT(config, key=jax.random.key(seed)), optax.adamw(schedule, weight_decay=0.01),
                     train, collate_fn=collate_fn, loss_fn=loss_fn, max_steps=max_steps,

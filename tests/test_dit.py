@@ -1,7 +1,10 @@
-"""The text-conditioned DiT: its DDIM sampler is deterministic given a key, the
+"""The text-conditioned DiT: its DDIM sampler is deterministic given a key, its prompt
+tokens join the attention without their padding, the
 sharding rules split it as a hand-written layout does (Megatron blocks, the timestep
 MLP a column-row pair, adaLN modulations and the patch stem whole), images of the wrong
 shape or dtype are refused, its FSDP step equals one device's, and the planner plans it."""
+
+import dataclasses
 
 import equinox as eqx
 import jax
@@ -25,11 +28,11 @@ IMAGES = jnp.asarray(RNG.normal(size=(8, 3, 8, 8)), jnp.float32)
 PROMPTS = jnp.asarray(RNG.integers(1, 8, (8, 2)), jnp.int32)
 
 
-def trained_looking() -> DiT:
+def trained_looking(config: DiTConfig = CONFIG) -> DiT:
     """A DiT whose arrays, the zero-initialised modulations and output too, are drawn on
     the host (compiling nothing), so that the predicted noise depends on the image, the
     step and the prompt."""
-    skeleton = eqx.filter_eval_shape(DiT, CONFIG, key=jax.random.key(0))
+    skeleton = eqx.filter_eval_shape(DiT, config, key=jax.random.key(0))
     rng = np.random.default_rng(1)
 
     def draw(leaf: object) -> object:
@@ -50,6 +53,20 @@ def test_ddim_sampler_is_deterministic_given_a_key() -> None:
     # The prompt steers the sample: other words, another image from the same noise.
     other = sample(model, PROMPTS[3:6], jax.random.key(0))
     assert float(jnp.abs(first - other).max()) > 1e-3
+
+
+def test_prompt_tokens_join_the_attention_and_their_padding_is_never_read() -> None:
+    model = trained_looking()
+    in_context = trained_looking(dataclasses.replace(CONFIG, prompt_tokens=True))  # same arrays
+    image, t = IMAGES[0], jnp.array(7)
+    predict = eqx.filter_jit(lambda m, p: m(image, t, p))
+    words = jnp.array([4, 0, 6], jnp.int32)  # padding in the middle and none at the end
+    padded = jnp.array([4, 0, 6, 0, 0], jnp.int32)
+    np.testing.assert_allclose(
+        predict(in_context, words), predict(in_context, padded), rtol=1e-5, atol=1e-6
+    )
+    # Each word is read, not only their mean (which adaLN reads either way).
+    assert float(jnp.abs(predict(in_context, words) - predict(model, words)).max()) > 1e-3
 
 
 def test_sharding_rules_split_the_dit_as_its_hand_layout() -> None:

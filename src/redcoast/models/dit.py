@@ -4,7 +4,8 @@ its noise schedule and a deterministic DDIM sampler (Song et al. 2021).
 The image is cut into patches by a strided convolution (a stem the sharding rules keep
 whole), the timestep and the prompt (the mean of its tokens' embeddings) make one
 conditioning vector, and each block's LayerNorms are shifted, scaled and gated by a
-Linear of it, zero at initialisation so that each block starts as the identity. The
+Linear of it, zero at initialisation so that each block starts as the identity. With
+`prompt_tokens`, the prompt's tokens also join the patches in the attention. The
 attention and MLP are the zoo's, split Megatron's way by the rules.
 """
 
@@ -14,7 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from einops import rearrange
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..nn import dense
 from .layers import MLP, gelu_tanh
@@ -34,6 +35,9 @@ class DiTConfig:
         num_heads: attention heads; divide `hidden_size`.
         vocab_size: prompt token ids are `[0, vocab_size)`; id 0 is padding.
         timesteps: steps of the forward (noising) process.
+        prompt_tokens: the prompt's tokens also join the patches in every block's
+            attention (the DiT paper's in-context conditioning, beside adaLN), so that
+            each patch can read each word, not only their mean.
     """
 
     image_size: int = 16
@@ -44,6 +48,7 @@ class DiTConfig:
     num_heads: int = 4
     vocab_size: int = 32
     timesteps: int = 1000
+    prompt_tokens: bool = False
 
     def __post_init__(self) -> None:
         for big, small in (("image_size", "patch_size"), ("hidden_size", "num_heads")):
@@ -108,12 +113,17 @@ class DiTBlock(eqx.Module):
         self.mlp = MLP(hidden, 4 * hidden, activation=gelu_tanh, key=kf)
 
     def __call__(
-        self, x: Float[Array, "seq hidden"], c: Float[Array, " hidden"]
+        self,
+        x: Float[Array, "seq hidden"],
+        c: Float[Array, " hidden"],
+        visible: Bool[Array, " seq"],
     ) -> Float[Array, "seq hidden"]:
+        """The block on `x`, each position attending to the `visible` ones."""
         mod = dense(self.modulation, jax.nn.silu(c)[None])[0]
         shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(mod, 6)
         h = _modulate(x, shift1, scale1)
-        x = x + gate1 * self.attn(h, self.attn.keys_values(h), jnp.ones((x.shape[0],) * 2, bool))
+        mask = jnp.broadcast_to(visible, (x.shape[0], x.shape[0]))
+        x = x + gate1 * self.attn(h, self.attn.keys_values(h), mask)
         return x + gate2 * self.mlp(_modulate(x, shift2, scale2))
 
 
@@ -192,9 +202,15 @@ class DiT(eqx.Module):
         _check_images(c, image, batched=False)
         p, side = c.patch_size, c.image_size // c.patch_size
         x = rearrange(self.patch_embed(image), "d h w -> (h w) d") + self.positions
+        patches = x.shape[0]
+        visible = jnp.ones(patches, bool)  # the keys each position attends to
+        if c.prompt_tokens:  # the words after the patches, their padding never read
+            x = jnp.concatenate([x, jax.vmap(self.words)(prompt)])
+            visible = jnp.concatenate([visible, prompt != 0])
         cond = self.condition(t, prompt)
         for block in self.blocks:
-            x = block(x, cond)
+            x = block(x, cond, visible)
+        x = x[:patches]
         shift, scale = jnp.split(dense(self.final_modulation, jax.nn.silu(cond)[None])[0], 2)
         x = dense(self.out, _modulate(x, shift, scale))
         return rearrange(x, "(h w) (p q c) -> c (h p) (w q)", h=side, p=p, q=p)
