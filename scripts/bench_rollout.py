@@ -12,7 +12,9 @@ top-k or top-p (transformers' default top-k of 50 switched off), and greedy. Row
   hidden dimension which the embeddings hold constant, so every step ends a row with
   about the same probability (`--eos-logit` sets it) and lengths spread as in a
   rollout; both sides stop once every row has ended. The tokens/s count each row's
-  tokens up to its EOS.
+  tokens up to its EOS. Called as is, `sample` drops the rows that have ended as the
+  batch halves; `redcoast 1 loop` calls it inside `jax.jit`, where one loop steps
+  every row until the last has ended (what `sample` did before).
 
 transformers repeats each prompt `--samples` times before its prefill
 (`num_return_sequences`); redcoast prefills each prompt once and shares its cache.
@@ -24,6 +26,15 @@ and the compile time reported apart. Each repeat runs the two sides back to back
 times and tokens/s are medians over `--repeats` repeats, and the speedup is the
 median of the repeats' ratios (the machine is shared: load moves both sides alike
 within a repeat).
+
+Then the share of a GRPO step spent sampling: `--grpo-steps` steps of `rc.rl.train`
+on the same model, prompts (as text of a word-level tokenizer whose words are the
+token ids), `--samples` completions of `--new` tokens (TRL's GRPO defaults
+otherwise, the same EOS), a reward that costs nothing (each completion's length),
+once with LoRA (rank 16 on every projection) and once fine-tuning every weight.
+From the run's records (`log_every=1`; the first step, which compiles, left out),
+medians of `step_s` and of the rollout's `time/sampling_s` and `time/rewards_s`;
+training is the rest.
 
 Target: redcoast >= 2x transformers' tokens/s on every row.
 
@@ -42,9 +53,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import tokenizers
 import torch
 import transformers
 
@@ -97,11 +111,16 @@ def completion_lengths(tokens: np.ndarray, eos: int | None) -> np.ndarray:
 
 
 def ours(
-    model: Any, prompts: np.ndarray, args: argparse.Namespace, greedy: bool, eos: int | None
+    model: Any,
+    prompts: np.ndarray,
+    args: argparse.Namespace,
+    greedy: bool,
+    eos: int | None,
+    one_loop: bool = False,
 ) -> Callable[[int], np.ndarray]:
     ids = jnp.asarray(prompts)
 
-    def run(seed: int) -> np.ndarray:
+    def call(model: Any, ids: jax.Array, key: jax.Array) -> jax.Array:
         out = rc.sampling.sample(
             model,
             ids,
@@ -109,9 +128,15 @@ def ours(
             max_new_tokens=args.new,
             temperature=0.0 if greedy else 1.0,
             eos_id=eos,
-            key=jax.random.key(seed),
+            key=key,
         )
-        return np.asarray(jax.block_until_ready(out.tokens))
+        return out.tokens
+
+    if one_loop:  # inside a trace: one loop, every row stepped until the last ends
+        call = eqx.filter_jit(call)
+
+    def run(seed: int) -> np.ndarray:
+        return np.asarray(jax.block_until_ready(call(model, ids, jax.random.key(seed))))
 
     return run
 
@@ -156,7 +181,7 @@ SETTINGS = [("sample T=1", False, None), ("greedy", True, None), ("sample T=1, E
 # (header, width, format, row key): add a column by adding its row key and a line here.
 COLUMNS = [
     ("setting", 16, "{}", "setting"),
-    ("side", 12, "{}", "side"),
+    ("side", 16, "{}", "side"),
     ("median s", 9, "{:.3f}", "seconds"),
     ("tokens/s", 9, "{:.0f}", "tokens_per_s"),
     ("x HF", 6, "{:.2f}", "speedup"),
@@ -169,10 +194,10 @@ COLUMNS = [
 def measure(args: argparse.Namespace, model: Any, ported: Any, prompts: np.ndarray) -> list[dict]:
     rows = []
     for setting, greedy, eos in SETTINGS:
-        sides = {
-            "redcoast": ours(ported, prompts, args, greedy, eos),
-            "transformers": theirs(model, prompts, args, greedy, eos),
-        }
+        sides = {"redcoast": ours(ported, prompts, args, greedy, eos)}
+        if eos is not None:
+            sides["redcoast 1 loop"] = ours(ported, prompts, args, greedy, eos, one_loop=True)
+        sides["transformers"] = theirs(model, prompts, args, greedy, eos)
         first = {name: timed(run, 0)[0] for name, run in sides.items()}
         calls: dict[str, list[tuple[float, np.ndarray]]] = {name: [] for name in sides}
         for repeat in range(args.repeats):
@@ -195,11 +220,92 @@ def measure(args: argparse.Namespace, model: Any, ported: Any, prompts: np.ndarr
                     ),
                     "mean_length": float(lengths.mean()),
                     "steps": int(np.median(lengths.max(axis=1))),
-                    "compile_s": first[name] - seconds if name == "redcoast" else 0.0,
+                    "compile_s": first[name] - seconds if name != "transformers" else 0.0,
                 }
             )
         print(f"  measured {setting}", flush=True)
     return rows
+
+
+# (header, width, format, row key) of the GRPO table.
+GRPO_COLUMNS = [
+    ("run", 6, "{}", "run"),
+    ("step s", 7, "{:.2f}", "step_s"),
+    ("sampling s", 10, "{:.2f}", "sampling_s"),
+    ("rewards s", 9, "{:.3f}", "rewards_s"),
+    ("training s", 10, "{:.2f}", "training_s"),
+    ("sampling %", 10, "{:.0f}", "sampling_pct"),
+    ("mean len", 8, "{:.1f}", "mean_length"),
+]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def word_tokenizer(vocab: int) -> rc.text.Tokenizer:
+    """A tokenizer whose words are the token ids (`w17` is 17): prompts as text, for
+    `rc.rl.train`, that tokenize to the very ids the sampling rows use."""
+    words = {"<unk>": 0, "<bos>": 1, "<eos>": EOS, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return rc.text.load_tokenizer(tok, eos_id=EOS)
+
+
+def completion_length(prompts: list, completions: list, completion_ids: list, **_: Any) -> list:
+    """A reward that costs nothing to compute: each completion's length in tokens."""
+    return [float(len(c)) for c in completion_ids]
+
+
+def median_step(records: list[dict]) -> dict[str, Any]:
+    """A run's median step (each record one step; the first, which compiles, left out):
+    its seconds sampling, scoring and training (the rest), and the completions' length."""
+    steps = [
+        {
+            "step_s": r["step_s"],
+            "sampling_s": r["time/sampling_s"],
+            "rewards_s": r["time/rewards_s"],
+            "training_s": r["step_s"] - r["time/sampling_s"] - r["time/rewards_s"],
+            "sampling_pct": 100 * r["time/sampling_s"] / r["step_s"],
+            "mean_length": r["completions/mean_length"],
+        }
+        for r in records[1:]
+    ]
+    return {k: statistics.median(s[k] for s in steps) for k in steps[0]} | {"steps": len(steps)}
+
+
+def grpo_share(args: argparse.Namespace, load: Callable[[], Any], prompts: np.ndarray) -> list:
+    """A LoRA and a full GRPO run's median step: sampling, rewards and training seconds."""
+    tok = word_tokenizer(args.vocab)
+    records = [{"prompt": " ".join(f"w{t}" for t in p)} for p in prompts]
+    algorithm = rc.rl.GRPO(num_generations=args.samples, max_new_tokens=args.new)
+    rows = []
+    for run in ("LoRA", "full"):
+        model, options = load(), {}
+        if run == "LoRA":
+            model = rc.lora.apply(model, LORA_TARGETS, rank=16, key=jax.random.key(0))
+            options["trainable"] = rc.lora.trainable(model)
+        result = rc.rl.train(
+            model,
+            optax.adamw(1e-5),
+            records,
+            rewards=completion_length,
+            tokenizer=tok,
+            per_device_batch_size=args.prompts,
+            algorithm=algorithm,
+            max_steps=args.grpo_steps,
+            log_every=1,
+            progress=False,
+            **options,
+        )
+        rows.append({"run": run, **median_step(result.history["train"])})
+        print(f"  measured GRPO, {run}", flush=True)
+    return rows
+
+
+def table(columns: list, rows: list[dict]) -> None:
+    header = " ".join(f"{h:>{w}}" for h, w, _, _ in columns)
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(" ".join(f"{f.format(r[k]):>{w}}" for _, w, f, k in columns))
 
 
 def main() -> None:
@@ -217,6 +323,7 @@ def main() -> None:
     parser.add_argument("--eos-logit", type=float, default=6.6)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--grpo-steps", type=int, default=5, help="at least 2; 0: none")
     parser.add_argument("--out", default="bench-results/bench_rollout.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -224,31 +331,30 @@ def main() -> None:
 
     model = hf_model(args)
     params = sum(p.numel() for p in model.parameters())
+    prompts = np.random.default_rng(0).integers(3, args.vocab, (args.prompts, args.prompt))
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        ported = rc.models.from_hf(folder)
-    prompts = np.random.default_rng(0).integers(3, args.vocab, (args.prompts, args.prompt))
-    rows = measure(args, model, ported, prompts.astype(np.int32))
+        rows = measure(args, model, rc.models.from_hf(folder), prompts.astype(np.int32))
+        load = lambda: rc.models.from_hf(folder)  # noqa: E731
+        grpo = grpo_share(args, load, prompts) if args.grpo_steps > 1 else []
 
     print(
         f"\nrollout on {jax.devices()[0].platform} ({args.threads} torch threads, uptime load "
         f"{os.getloadavg()[0]:.1f}): Llama {params / 1e6:.1f}M parameters, {args.prompts} "
         f"prompts x {args.samples} samples, {args.prompt}-token prompts, {args.new} new tokens"
     )
-    header = " ".join(f"{h:>{w}}" for h, w, _, _ in COLUMNS)
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(" ".join(f"{f.format(r[k]):>{w}}" for _, w, f, k in COLUMNS))
+    table(COLUMNS, rows)
     slowest = min(r["speedup"] for r in rows if r["side"] == "redcoast")
-    print(
-        f"\nsmallest speedup over transformers: {slowest:.2f}x (target >= 2); "
-        f"{time.perf_counter() - start:.0f} s"
-    )
+    print(f"\nsmallest speedup over transformers: {slowest:.2f}x (target >= 2)")
+    if grpo:
+        print(f"\na GRPO step (rc.rl.train), median of steps 2-{args.grpo_steps}:")
+        table(GRPO_COLUMNS, grpo)
+    print(f"\n{time.perf_counter() - start:.0f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    out.write_text(json.dumps({"rows": rows, "settings": settings, "parameters": params}, indent=2))
+    result = {"rows": rows, "grpo": grpo, "settings": settings, "parameters": params}
+    out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 
 

@@ -24,10 +24,18 @@ import redcoast as rc
 from redcoast.sampling._warpers import Warpers, pick, warp
 
 VOCAB = 16
-# What each traced `Bigram` saw: the cache lengths of its traces, and the shape of the
-# token ids each row's decode call was fed when run.
+# What each traced `Bigram` saw: the cache lengths of its traces, the shape of the
+# token ids each row's decode call was fed when run, and how many rows were fed one
+# token at each position.
 TRACES: list[int] = []
 FED: collections.Counter[tuple[int, ...]] = collections.Counter()
+AT: collections.Counter[int] = collections.Counter()
+
+
+def _fed(ids: np.ndarray, index: np.ndarray) -> None:
+    FED.update([ids.shape])
+    if ids.shape == (1,):
+        AT.update([int(index)])
 
 
 class Bigram(eqx.Module):
@@ -54,7 +62,7 @@ class Bigram(eqx.Module):
         self, input_ids: jax.Array, cache: jax.Array, index: jax.Array | int
     ) -> tuple[jax.Array, jax.Array]:
         # Under the sampler's vmap the callback runs once for each row.
-        jax.debug.callback(lambda ids: FED.update([ids.shape]), input_ids)
+        jax.debug.callback(_fed, input_ids, index)
         return self.table[input_ids], jax.lax.dynamic_update_slice(cache, input_ids, (index,))
 
 
@@ -100,9 +108,10 @@ def test_a_model_of_the_users_own_samples_and_stops_once_every_row_has_ended() -
     want = [[10, 11, 12, *[12] * 9]] * 3 + [[7, 8, 9, 10, 11, 12, *[12] * 6]] * 3
     assert out.tokens.tolist() == want
     assert out.lengths.tolist() == [3] * 3 + [6] * 3
-    # The 2 prompts fed once (not once per sample), then 5 steps of one token for each
-    # of the 6 rows: the loop stopped when the last row ended, 6 tokens in, not at 12.
-    assert FED == {(3,): 2, (1,): 6 * 5}
+    # The 2 prompts fed once (not once per sample), then 5 steps of one token a row: 2
+    # of the 6 rows, then, the first prompt's rows ended, 3 of the other 3 alone. The
+    # loop stopped when the last row ended, 6 tokens in, not at 12.
+    assert FED == {(3,): 2, (1,): 6 * 2 + 3 * 3}
 
     FED.clear()
     never = rc.sampling.sample(
@@ -110,7 +119,40 @@ def test_a_model_of_the_users_own_samples_and_stops_once_every_row_has_ended() -
     )
     assert never.tokens.tolist() == [[10, 11, 12, 13, *[14] * 8], list(range(1, 13))]
     assert never.lengths.tolist() == [5, 12]  # the second row never reaches token 14
-    assert FED[(1,)] == 2 * 11
+    assert FED[(1,)] == 2 * 4 + 1 * 7  # the second row alone once the first ended
+
+
+def _steps_fed() -> dict[int, int]:
+    """How many rows each step fed, for 1-token prompts: step `t` feeds position `t`
+    (position 0 is the prompts' prefill)."""
+    return {at: rows for at, rows in AT.items() if at > 0}
+
+
+def test_finished_rows_stop_costing_steps_and_draw_what_they_would_have() -> None:
+    # EOS (token 0) about once in 10 steps: lengths spread as in a rollout.
+    table = jax.random.normal(jax.random.key(1), (VOCAB, VOCAB)).at[:, 0].add(1.0)
+    model, prompts = Bigram(table), jnp.array([[3], [7]])
+    settings = dict(num_samples=16, max_new_tokens=64, eos_id=0, key=jax.random.key(2))
+    AT.clear()
+    out = rc.sampling.sample(model, prompts, **settings)
+    compacted = _steps_fed()
+    AT.clear()
+    # Inside a trace the host cannot see which rows are live: one loop, every row.
+    plain = jax.jit(lambda m, p: rc.sampling.sample(m, p, **settings))(model, prompts)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.lengths, plain.lengths)
+
+    # The steps ran while a row was live.
+    lengths = np.asarray(out.lengths)
+    steps = range(1, int(lengths.max()))
+    assert len(steps) < 64 - 10 and lengths.mean() < 12
+    assert _steps_fed() == {t: 32 for t in steps}
+    # Compacted, each step fed every live row, and fewer than twice as many.
+    live = {t: int((lengths > t).sum()) for t in steps}
+    assert compacted.keys() == live.keys()
+    assert all(live[t] <= compacted[t] < 2 * live[t] for t in steps), (compacted, live)
+    assert min(compacted.values()) == 1 and set(compacted.values()) <= {32, 16, 8, 4, 2, 1}
+    assert sum(compacted.values()) < 0.4 * 32 * len(steps)
 
 
 def test_a_model_without_the_protocol_is_named() -> None:
@@ -193,12 +235,13 @@ def test_the_draw_and_the_argmax_are_jax_own() -> None:
     logits = jnp.asarray(np.random.default_rng(2).normal(0.0, 1.0, (64, 300)), jnp.float32)
     logits = logits.at[0].set(0.0).at[1, 7].set(jnp.nan).at[1, 9].set(jnp.nan)  # ties, NaNs
     greedy = Warpers(0.0, None, None, None)
-    key = jax.random.key(0)
-    assert pick(logits, key, greedy).tolist() == jnp.argmax(logits, axis=-1).tolist()
+    keys = jax.random.split(jax.random.key(0), 64)
+    assert pick(logits, keys, greedy).tolist() == jnp.argmax(logits, axis=-1).tolist()
     sampled = Warpers(1.0, None, None, None)
     for key in jax.random.split(jax.random.key(1), 4):
-        want = jax.random.categorical(key, logits[2:], axis=-1)
-        assert pick(logits[2:], key, sampled).tolist() == want.tolist()
+        keys = jax.random.split(key, 62)  # a key for each row
+        want = jax.vmap(jax.random.categorical)(keys, logits[2:])
+        assert pick(logits[2:], keys, sampled).tolist() == want.tolist()
 
 
 def test_prompts_padded_to_one_bucket_compile_once() -> None:
@@ -232,22 +275,30 @@ def test_prompts_padded_to_one_bucket_compile_once() -> None:
 def test_sampling_on_a_mesh_draws_what_one_device_draws(n_model_shards: int, fsdp: bool) -> None:
     # The same bits for the global shape however it is split: JAX's partitionable threefry.
     assert jax.config.jax_threefry_partitionable
+    # The token most likely on average, 4 times as likely (its head row scaled), is EOS:
+    # rows end early, and once 8 of the 16 are live they are gathered into 8 rows (2
+    # or 4 a device of the data axis, some moved between devices).
     model = llama()
+    eos = int(jax.vmap(model)(IDS).mean(axis=(0, 1)).argmax())
+    model = eqx.tree_at(lambda m: m.lm_head.weight, model, model.lm_head.weight.at[eos].mul(4.0))
     mesh = rc.make_mesh(n_model_shards)  # 8 devices: 4 x 2, or 2 x 4
     sharded = rc.place(model, mesh, example_call=lambda m: jax.vmap(m)(IDS), fsdp=fsdp)
     ids = jax.device_put(IDS, NamedSharding(mesh, P("data")))
     settings = dict(
         prompt_lengths=LENGTHS,
-        num_samples=2,
-        max_new_tokens=6,
+        num_samples=4,
+        max_new_tokens=12,
         min_p=0.05,
-        eos_id=int(IDS[0, 0]),
+        eos_id=eos,
         key=jax.random.key(7),
     )
     want = rc.sampling.sample(model, IDS, **settings)
+    assert np.sort(want.lengths)[16 // 2 - 1] < want.lengths.max() - 1  # steps at 8 rows
     got = rc.sampling.sample(sharded, ids, **settings)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.lengths, want.lengths)
+    inside = jax.jit(lambda m, i: rc.sampling.sample(m, i, **settings))(sharded, ids)
+    np.testing.assert_array_equal(inside.tokens, want.tokens)
 
 
 def test_sampling_settings_are_checked() -> None:

@@ -3,15 +3,16 @@
 `sample` continues each prompt of a batch `num_samples` times (GRPO's group): each
 prompt goes through the model once and its key/value cache is shared by its samples;
 the steps then sample with temperature, top-k, top-p and min-p (in `transformers`'
-order) and stop as soon as every row has produced `eos_id`. `generate` is the one
+order) and stop as soon as every row has produced `eos_id`; outside a trace, rows
+that have ended are dropped from the batch as it halves. `generate` is the one
 continuation per prompt of `rc.models.generate`. Both run on any model with a cached
 forward pass (`CausalLM`: every decoder of the zoo, or a model of your own), placed
 on a mesh or not; the same key draws the same tokens on one device and on any mesh.
 Each shape compiles its own program: `pad_prompts` pads a batch to a few lengths.
 
 The files: the protocol (`_protocol.py`), the filters and the draw (`_warpers.py`),
-the compiled loop (`_loop.py`), the public functions and their checks (`_sample.py`),
-the length buckets (`_buckets.py`).
+the compiled loop and its batch halving (`_loop.py`), the public functions and their
+checks (`_sample.py`), the length buckets (`_buckets.py`).
 
 Example:
     >>> ids, lengths = rc.sampling.pad_prompts(prompts, max_length=2048 - 256)

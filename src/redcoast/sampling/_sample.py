@@ -10,7 +10,7 @@ from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
 
 from .._checks import as_int_array, check_positive, check_range
 from ..parallel._parallelism import Parallelism
-from ._loop import decode_jit
+from ._loop import decode
 from ._protocol import CausalLM
 from ._warpers import Warpers
 
@@ -47,11 +47,17 @@ def sample(
 ) -> Samples:
     """`num_samples` continuations of each prompt, each prompt prefilled once for all of them.
 
-    The loop stops as soon as every row has produced `eos_id`. Compiled once per
-    (model, shapes, settings): pad prompts of changing lengths to a few lengths with
-    `pad_prompts`. Works on a model placed on a mesh (tensor parallel, FSDP) and
-    inside `jax.jit`; the same key gives the same samples on any mesh (JAX's
-    partitionable threefry draws the same bits however the rows are split).
+    The loop stops as soon as every row has produced `eos_id`. Called outside a trace,
+    finished rows stop costing steps: once at most half the rows are live, the live
+    ones continue as a batch half the size (halved again and again, down to a row a
+    data-parallel device), each size a program compiled once. Inside `jax.jit` (a
+    `pred_fn` under `rc.predict`, say) one loop steps every row until the last ends.
+    Both draw the same tokens: a row's draws depend on the key and its index alone.
+    Compiled once per (model, shapes, settings): pad prompts of changing lengths to a
+    few lengths with `pad_prompts`. Works on a model placed on a mesh (tensor
+    parallel, FSDP; rows split over the data axis stay split); the same key gives the
+    same samples on any mesh (JAX's partitionable threefry draws the same bits
+    however the rows are split).
 
     Args:
         model: a `CausalLM` (any decoder of `rc.models`).
@@ -59,8 +65,9 @@ def sample(
             are right-padded (with any integer) and their lengths given in
             `prompt_lengths`.
         max_new_tokens: how many tokens each sample has room for.
-        key: draws the samples; step `t` uses the `t`-th of `max_new_tokens` keys split
-            from it, so a longer `max_new_tokens` draws other samples.
+        key: draws the samples: row `r`'s token at step `t` with `fold_in(keys[t], r)`,
+            `keys` the `max_new_tokens` keys split from it (so a longer
+            `max_new_tokens` draws other samples).
         num_samples: how many samples of each prompt (GRPO's group size).
         prompt_lengths: the length of each prompt; default: every row is full.
         temperature: the logits are divided by it before sampling; 0 takes the argmax.
@@ -123,8 +130,9 @@ def generate(
     """Continue a batch of prompts, one token at a time, with a key/value cache.
 
     Compiled once per (model, shapes, settings); works inside `jax.jit`, so it can be
-    a `pred_fn` under `rc.predict` on a sharded model. The same tokens as `sample`
-    with `num_samples=1` and the same key.
+    a `pred_fn` under `rc.predict` on a sharded model. `sample` with `num_samples=1`:
+    the same tokens for the same key, and outside a trace the rows that have produced
+    `eos_id` stop costing steps.
 
     Args:
         model: a `CausalLM` (any decoder of `rc.models`).
@@ -221,7 +229,7 @@ def _run(
             f"the prompt ({prompt_len} tokens) plus max_new_tokens={max_new_tokens} exceed "
             f"the {limit} positions of {type(model).__name__}'s position table."
         )
-    return decode_jit(
+    return decode(
         model,
         prompt,
         _prompt_lengths(prompt_lengths, batch, prompt_len),

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key
 
 
 class Warpers(NamedTuple):
@@ -29,13 +29,16 @@ class Warpers(NamedTuple):
 
 
 def pick(
-    logits: Float[Array, "batch vocab"], key: PRNGKeyArray, how: Warpers
+    logits: Float[Array, "batch vocab"], keys: Key[Array, " batch"], how: Warpers
 ) -> Int[Array, " batch"]:
-    """The next token of each row: argmax at temperature 0, else a filtered sample."""
+    """The next token of each row: argmax at temperature 0, else a filtered sample drawn
+    with the row's own key (`keys`, one a row), whatever the other rows are."""
     if how.temperature == 0.0:
         return _argmax(logits)
-    # jax.random.categorical's draw (the Gumbel-max trick, the same bits), with its argmax.
-    return _argmax(jax.random.gumbel(key, logits.shape, jnp.float32) + warp(logits, how))
+    # jax.random.categorical's draw for each row's key (the Gumbel-max trick, the same
+    # bits), with its argmax.
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
+    return _argmax(noise + warp(logits, how))
 
 
 def warp(logits: Float[Array, "batch vocab"], how: Warpers) -> Float[Array, "batch vocab"]:
