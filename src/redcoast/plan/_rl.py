@@ -160,31 +160,13 @@ def _sampler(
     def run(p: PyTree, ids: jax.Array, lengths: jax.Array, key: jax.Array) -> Any:
         with parallelism.applied(eqx.combine(p, static)) as (model, _):
             return sampling.sample(
-                model,
-                ids,
-                prompt_lengths=lengths,
-                num_samples=algorithm.num_generations,
-                max_new_tokens=algorithm.max_new_tokens,
-                temperature=algorithm.temperature,
-                top_k=algorithm.top_k,
-                top_p=algorithm.top_p,
-                min_p=algorithm.min_p,
-                eos_id=0,
-                key=key,
+                model, ids, prompt_lengths=lengths, eos_id=0, key=key, **algorithm.sample_options
             )
 
     traced = jax.jit(run).trace(params, ids, lengths, key)
     rows = prompts * rl.num_generations
-    common = {
-        "n_params": 0,
-        "params": local_bytes(params),
-        "opt_state": 0,
-        "gradients": 0,
-        "flops": matmul_flops(traced.jaxpr)[0],
-        "loop_flops": _loop_flops(traced.jaxpr),
-        "tokens": rows * rl.max_new_tokens,
-        "batch": local_bytes((ids, lengths)),
-    }
+    common = _forward_only(params, traced, rows * rl.max_new_tokens, (ids, lengths))
+    common["loop_flops"] = _loop_flops(traced.jaxpr)
     return traced, common, _cache_bytes(params, static, layout, rows)
 
 
@@ -283,13 +265,18 @@ def _reference(
         return pred(eqx.combine(p, static), {"input_ids": ids}, jax.random.key(0))
 
     traced = jax.jit(run).trace(params, ids)
-    common = {
+    return traced, _forward_only(params, traced, rows * ids.shape[1], ids)
+
+
+def _forward_only(params: PyTree, traced: Any, tokens: int, batch: Any) -> dict[str, Any]:
+    """The figures of a program that trains nothing (the sampler, the reference's pass):
+    its parameters' bytes, matmul FLOPs, tokens and batch bytes."""
+    return {
         "n_params": 0,
         "params": local_bytes(params),
         "opt_state": 0,
         "gradients": 0,
         "flops": matmul_flops(traced.jaxpr)[0],
-        "tokens": rows * ids.shape[1],
-        "batch": local_bytes(ids),
+        "tokens": tokens,
+        "batch": local_bytes(batch),
     }
-    return traced, common

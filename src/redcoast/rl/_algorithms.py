@@ -46,6 +46,19 @@ class _Sampling:
             )
 
     @property
+    def sample_options(self) -> dict[str, Any]:
+        """`rc.sampling.sample`'s options for these completions (all but the prompts,
+        their lengths, `eos_id` and the key)."""
+        return {
+            "num_samples": self.num_generations,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+        }
+
+    @property
     def needs_reference(self) -> bool:
         """Whether the run computes the reference model's log-probabilities."""
         return float(getattr(self, "beta", 0.0)) > 0

@@ -174,14 +174,9 @@ class GroupRollout(Rollout):
             model,
             prompts,
             prompt_lengths=prompt_lengths,
-            num_samples=a.num_generations,
-            max_new_tokens=a.max_new_tokens,
-            temperature=a.temperature,
-            top_k=a.top_k,
-            top_p=a.top_p,
-            min_p=a.min_p,
             eos_id=self.eos_id,
             key=key,
+            **a.sample_options,
         )
         ids, mask, per_row = _join(
             prompts,
