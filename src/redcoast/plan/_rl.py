@@ -14,6 +14,7 @@ while sampling, and the frozen reference copy in every program.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -25,18 +26,77 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._checks import check_choice, check_positive
 from ..parallel import _jaxpr
 from ..parallel._parallelism import Parallelism
 from ..parallel.mesh import DATA, make_mesh
 from ..train.throughput import matmul_flops
-from ._report import RL, Layout, LoRA, RLStep
+from ._report import RL, RL_ALGORITHMS, Layout, LoRA, RLStep
 from ._step import Measured, PlannedModel, compile_traced, grpo, local_bytes, placed_params
 from ._targets import Target, decode_estimate, estimate
 
-__all__ = ["check_sampling", "measure_rl"]
+__all__ = ["check_rl", "check_sampling", "measure_rl", "rl_settings"]
 
 # What `rc.sampling.sample` needs of a model beyond its call (`rc.sampling.CausalLM`).
 _CACHED = ("vocab_size", "max_positions", "init_cache", "decode")
+
+
+def rl_settings(
+    rl: str | None,
+    num_generations: int | None,
+    max_new_tokens: int | None,
+    beta: float | None,
+    reference_dtype: str | None,
+) -> RL | None:
+    """`memory_plan`'s RL options as an `RL`, each checked; None without `rl`."""
+    if rl is None:
+        given = {"num_generations": num_generations, "max_new_tokens": max_new_tokens, "beta": beta}
+        named = [name for name, value in given.items() if value is not None]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)} set an RL step, which rl= asks to plan: pass rl='grpo' "
+                "(redcoast plan --rl grpo)."
+            )
+        return None
+    check_choice("rl", rl, RL_ALGORITHMS, "rc.rl.train's GRPO is planned.")
+    defaults = RL()
+    settings = RL(
+        rl,
+        defaults.num_generations if num_generations is None else num_generations,
+        defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        defaults.beta if beta is None else beta,
+    )
+    check_positive("num_generations", settings.num_generations, optional=False)
+    check_positive("max_new_tokens", settings.max_new_tokens, optional=False)
+    if isinstance(settings.beta, bool) or not isinstance(settings.beta, int | float):
+        raise ValueError(f"beta must be a number >= 0 (the KL penalty's weight), got {beta!r}.")
+    if not settings.beta >= 0:
+        raise ValueError(f"beta must be >= 0 (the KL penalty's weight; 0: none), got {beta!r}.")
+    copy = reference_dtype if settings.beta > 0 else None
+    return dataclasses.replace(settings, beta=float(settings.beta), reference_dtype=copy)
+
+
+def check_rl(layout: Layout, rl: RL, model: PlannedModel) -> None:
+    """An RL step is planned as `rc.rl.train` runs it: on a model `rc.sampling` samples,
+    with whole rows on each device."""
+    if layout.preference is not None:
+        raise ValueError(
+            f"plan preference tuning ({layout.preference}) or an RL step, not both: "
+            "preference= or rl=."
+        )
+    if layout.context_parallel:
+        raise ValueError(
+            "an RL step samples and trains on whole rows on each device; plan it without "
+            "context_parallel (remat or sequence_parallel keep long rows small)."
+        )
+    check_sampling(model)
+    positions, new = model.positions, rl.max_new_tokens
+    if positions is not None and layout.seq_len + new > positions:
+        raise ValueError(
+            f"an RL step's rows are the prompt and its completion: {layout.seq_len} + {new} "
+            f"tokens, longer than the model's {positions} positions; plan shorter prompts "
+            "(seq_len) or fewer max_new_tokens."
+        )
 
 
 def measure_rl(

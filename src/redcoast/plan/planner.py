@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from .._checks import check_choice, check_positive
+from .._checks import check_choice
 from .._units import fmt_bytes as fmt_bytes
 from .._units import parse_bytes as parse_bytes
 from ..nn._kernels import planned_for
@@ -43,7 +43,7 @@ from ._report import RL_ALGORITHMS as RL_ALGORITHMS
 from ._report import Layout as Layout
 from ._report import LoRA as LoRA
 from ._report import MemoryPlan as MemoryPlan
-from ._rl import check_sampling, measure_rl
+from ._rl import check_rl, measure_rl, rl_settings
 from ._step import PlannedModel as PlannedModel
 from ._step import compile_step, plan_specs
 from ._step import next_token_loss as next_token_loss
@@ -97,41 +97,6 @@ def _lora_settings(
     return LoRA(rank, None if targets is None else tuple(targets), name, quantize)
 
 
-def _rl_settings(
-    rl: str | None,
-    num_generations: int | None,
-    max_new_tokens: int | None,
-    beta: float | None,
-    reference_dtype: str | None,
-) -> RL | None:
-    """`memory_plan`'s RL options as an `RL`, each checked; None without `rl`."""
-    if rl is None:
-        given = {"num_generations": num_generations, "max_new_tokens": max_new_tokens, "beta": beta}
-        named = [name for name, value in given.items() if value is not None]
-        if named:
-            raise ValueError(
-                f"{', '.join(named)} set an RL step, which rl= asks to plan: pass rl='grpo' "
-                "(redcoast plan --rl grpo)."
-            )
-        return None
-    check_choice("rl", rl, RL_ALGORITHMS, "rc.rl.train's GRPO is planned.")
-    defaults = RL()
-    settings = RL(
-        rl,
-        defaults.num_generations if num_generations is None else num_generations,
-        defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        defaults.beta if beta is None else beta,
-    )
-    check_positive("num_generations", settings.num_generations, optional=False)
-    check_positive("max_new_tokens", settings.max_new_tokens, optional=False)
-    if isinstance(settings.beta, bool) or not isinstance(settings.beta, int | float):
-        raise ValueError(f"beta must be a number >= 0 (the KL penalty's weight), got {beta!r}.")
-    if not settings.beta >= 0:
-        raise ValueError(f"beta must be >= 0 (the KL penalty's weight; 0: none), got {beta!r}.")
-    copy = reference_dtype if settings.beta > 0 else None
-    return dataclasses.replace(settings, beta=float(settings.beta), reference_dtype=copy)
-
-
 def sharding_plan_of(model: PlannedModel, layout: Layout, lora: LoRA | None = None) -> ShardingPlan:
     """The `ShardingPlan` `memory_plan` uses for `model` under `layout` (with the adapters
     of `lora`, a `MemoryPlan.lora`)."""
@@ -171,7 +136,7 @@ def _check_layout(layout: Layout, model: PlannedModel, *, compiles_here: bool) -
             "context_parallel (sequence_parallel or remat keep long pairs small)."
         )
     if layout.rl is not None:
-        _check_rl(layout, model)
+        check_rl(layout, layout.rl, model)
     if layout.precision not in PRECISIONS:
         raise ValueError(f"precision {layout.precision!r}: choose one of {PRECISIONS}.")
     if layout.remat not in REMATS:
@@ -197,14 +162,6 @@ def _check_layout(layout: Layout, model: PlannedModel, *, compiles_here: bool) -
             f"heads; choose a divisor of {heads}."
         )
     positions = model.positions
-    if positions is not None and layout.rl is not None:
-        new = layout.rl.max_new_tokens
-        if layout.seq_len + new > positions:
-            raise ValueError(
-                f"an RL step's rows are the prompt and its completion: {layout.seq_len} + {new} "
-                f"tokens, longer than the model's {positions} positions; plan shorter prompts "
-                "(seq_len) or fewer max_new_tokens."
-            )
     if positions is not None and layout.seq_len > positions:
         raise ValueError(
             f"seq_len {layout.seq_len} is longer than the model's {positions} positions."
@@ -216,22 +173,6 @@ def _check_layout(layout: Layout, model: PlannedModel, *, compiles_here: bool) -
             f"rc.simulate_devices({layout.devices}) before JAX starts, or run `redcoast "
             "plan`, which does."
         )
-
-
-def _check_rl(layout: Layout, model: PlannedModel) -> None:
-    """An RL step is planned as `rc.rl.train` runs it: on a model `rc.sampling` samples,
-    with whole rows on each device."""
-    if layout.preference is not None:
-        raise ValueError(
-            f"plan preference tuning ({layout.preference}) or an RL step, not both: "
-            "preference= or rl=."
-        )
-    if layout.context_parallel:
-        raise ValueError(
-            "an RL step samples and trains on whole rows on each device; plan it without "
-            "context_parallel (remat or sequence_parallel keep long rows small)."
-        )
-    check_sampling(model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,7 +483,7 @@ def memory_plan(
         sequence_parallel=sequence_parallel,
         context_parallel=context_parallel,
         preference=preference,
-        rl=_rl_settings(rl, num_generations, max_new_tokens, beta, reference),
+        rl=rl_settings(rl, num_generations, max_new_tokens, beta, reference),
     )
     if not isinstance(model, PlannedModel):
         if not callable(model):
