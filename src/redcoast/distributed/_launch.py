@@ -38,8 +38,10 @@ ENV_HEARTBEAT = "REDCOAST_HEARTBEAT_TIMEOUT"
 ENV_WATCHDOG = "REDCOAST_WATCHDOG"
 
 # What Gloo prints for every connection it makes (24 lines for 2 processes of 4
-# devices): hidden unless asked for, since it says nothing a user acts on.
-_CONNECTION_NOISE = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.")
+# devices): hidden unless asked for, since it says nothing a user acts on. Its threads
+# write at once, so two such lines may come interleaved: "[Gloo] Rank [Gloo] Rank 0 is
+# connected ..." and then "1 is connected ...".
+_CONNECTION_NOISE = re.compile(rb"^(?:\[Gloo\] Rank )*\d+ is connected to \d+ peer ranks\.")
 
 _FAILURE_GRACE_SECONDS = 5.0
 _STOP_GRACE_SECONDS = 30.0  # SLURM's default KillWait between SIGTERM and SIGKILL
