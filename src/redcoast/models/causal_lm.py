@@ -58,6 +58,44 @@ class CausalLMParts(NamedTuple):
     lm_head: eqx.nn.Linear | None
 
 
+class OutputHead(eqx.Module):
+    """A causal LM's final norm and vocabulary head (a Linear, or the token table when
+    tied): hidden states to float32 logits, `AbstractCausalLM.output_head()`.
+
+    Attributes:
+        norm: the final norm.
+        head: the head's Linear, or the token table of a tied head.
+        tied: whether `head` is the token table.
+        vocab_size: the real vocabulary; rows past it (padded for an even split) are
+            never predicted.
+        softcap: the logits become `softcap * tanh(logits / softcap)` (Gemma 2), or None.
+    """
+
+    norm: AnyNorm
+    head: Any
+    tied: bool = eqx.field(static=True)
+    vocab_size: int = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
+
+    def __call__(self, x: Float[Array, "*tokens hidden"]) -> Float[Array, "*tokens vocab"]:
+        h = apply_norm(self.norm, x)
+        if self.tied:
+            logits = tied_logits(self.head, h)
+        else:
+            flat = jax.vmap(self.head)(h.reshape(-1, h.shape[-1]))
+            logits = flat.reshape(*h.shape[:-1], flat.shape[-1])
+        # The head's matmul runs in the parameters' dtype; the loss on its output in float32.
+        logits = logits.astype(jnp.float32)
+        if self.softcap is not None:
+            logits = self.softcap * jnp.tanh(logits / self.softcap)
+        if logits.shape[-1] == self.vocab_size:
+            return logits
+        # Rows padded for an even split (config.vocab_multiple) are never predicted;
+        # the mask keeps the logits split on the vocabulary, where a slice would not.
+        real = jnp.arange(logits.shape[-1]) < self.vocab_size
+        return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
+
+
 class AbstractCausalLM(hf.HFModel):
     """A decoder-only language model: embed, `DecoderBlock`s, final norm, vocabulary head.
 
@@ -173,7 +211,39 @@ class AbstractCausalLM(hf.HFModel):
         segment_ids: Int[Array, " seq"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "seq vocab"]:
-        """Next-token logits at every position of one sequence.
+        """Next-token logits at every position of one sequence: `output_head()` of `hidden`.
+
+        Args:
+            input_ids: token ids of one sequence (vmap for a batch).
+            positions: as for `hidden`.
+            segment_ids: as for `hidden`.
+            key: accepted for the Equinox calling convention; the models have no
+                dropout, so it is unused.
+
+        Returns:
+            Logits, `(seq, vocab)`, float32.
+
+        Example:
+            >>> ids = jnp.arange(8)
+            >>> segments = jnp.array([0, 0, 0, 1, 1, 1, 1, 1])   # two documents
+            >>> positions = jnp.array([0, 1, 2, 0, 1, 2, 3, 4])
+            >>> logits = model(ids, positions=positions, segment_ids=segments)
+        """
+        del key
+        hidden = self.hidden(input_ids, positions=positions, segment_ids=segment_ids)
+        with placement_hint():
+            return self.output_head()(hidden)
+
+    def hidden(
+        self,
+        input_ids: Int[Array, " seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
+    ) -> Float[Array, "seq hidden"]:
+        """The last block's output at every position of one sequence, before the final
+        norm: what `output_head()` turns into logits (`rc.nn.map_logits` does so a few
+        tokens at a time, never holding the whole vocabulary's logits of a row).
 
         Args:
             input_ids: token ids of one sequence (vmap for a batch).
@@ -186,7 +256,7 @@ class AbstractCausalLM(hf.HFModel):
                 dropout, so it is unused.
 
         Returns:
-            Logits, `(seq, vocab)`.
+            The hidden states, `(seq, hidden)`.
 
         Raises:
             ValueError: the sequence is longer than the position table (GPT-2, OPT),
@@ -196,12 +266,9 @@ class AbstractCausalLM(hf.HFModel):
                 `redcoast._checks.check_range`).
 
         Example:
-            >>> ids = jnp.arange(8)
-            >>> segments = jnp.array([0, 0, 0, 1, 1, 1, 1, 1])   # two documents
-            >>> positions = jnp.array([0, 1, 2, 0, 1, 2, 3, 4])
-            >>> logits = model(ids, positions=positions, segment_ids=segments)
+            >>> h = model.hidden(jnp.arange(8))
+            >>> logits = model.output_head()(h)       # model(jnp.arange(8))
         """
-        del key
         seq = input_ids.shape[0]
         limit = self.max_positions
         if limit is not None and seq > limit:
@@ -229,8 +296,7 @@ class AbstractCausalLM(hf.HFModel):
             )
         with placement_hint():
             x = self._embed(input_ids, positions)
-            x, _, _ = self._run_blocks(x, positions, None, 0, segment_ids)
-            return self._logits(x)
+            return self._run_blocks(x, positions, None, 0, segment_ids)[0]
 
     def decode(
         self,
@@ -272,7 +338,7 @@ class AbstractCausalLM(hf.HFModel):
         positions = index + jnp.arange(seq)
         x, new, _ = self._run_blocks(self._embed(input_ids, positions), positions, cache, index)
         assert new is not None
-        return self._logits(x), new
+        return self.output_head()(x), new
 
     def init_cache(self, max_len: int, dtype: DTypeLike | None = None) -> Cache:
         """An empty key/value cache for one sequence of up to `max_len` tokens.
@@ -311,25 +377,17 @@ class AbstractCausalLM(hf.HFModel):
             x = x + jax.vmap(table)(positions + self.position_offset)
         return x
 
-    def _logits(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq vocab"]:
+    def output_head(self) -> OutputHead:
+        """The final norm and the vocabulary head, each array gathered whole once (FSDP):
+        `hidden` states to float32 logits, on any number of tokens."""
         use = fsdp.layouts(self)
-        h = apply_norm(fsdp.gather(self.norm, use.norm), x)
+        norm = fsdp.gather(self.norm, use.norm)
         if self.lm_head is None:
-            logits = tied_logits(fsdp.gather(self.embed_tokens, use.embed_tokens), h)
+            head = fsdp.gather(self.embed_tokens, use.embed_tokens)
         else:
-            logits = jax.vmap(fsdp.gather(self.lm_head, use.lm_head))(h)
-        # The head's matmul runs in the parameters' dtype; the loss on its output in float32.
-        logits = logits.astype(jnp.float32)
-        cap = self.logit_softcap
-        if cap is not None:
-            logits = cap * jnp.tanh(logits / cap)
-        vocab = self.config.vocab_size
-        if logits.shape[-1] == vocab:
-            return logits
-        # Rows padded for an even split (config.vocab_multiple) are never predicted;
-        # the mask keeps the logits split on the vocabulary, where a slice would not.
-        real = jnp.arange(logits.shape[-1]) < vocab
-        return jnp.where(real, logits, jnp.finfo(logits.dtype).min)
+            head = fsdp.gather(self.lm_head, use.lm_head)
+        tied = self.lm_head is None
+        return OutputHead(norm, head, tied, self.config.vocab_size, self.logit_softcap)
 
     def layer_attention(self) -> tuple[LayerAttention, ...] | None:
         """Each layer's window and rotation, when the model says them per layer (the

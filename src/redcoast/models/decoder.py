@@ -458,7 +458,7 @@ class Decoder(AbstractCausalLM):
         x = self._embed(input_ids, positions)
         x, _, routers = self._run_blocks(x, positions, None, 0, segment_ids)
         stacked = routers if not isinstance(routers, tuple) else jnp.stack(routers)
-        return self._logits(x), stacked
+        return self.output_head()(x), stacked
 
     @classmethod
     def hf_tensors(cls, config: DecoderConfig) -> list[hf.TensorMap]:

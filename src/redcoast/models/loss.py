@@ -10,14 +10,14 @@ document is then not predicted from the end of the one before it.
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ..nn._loss import cross_entropy
+from ..nn._loss import cross_entropy, map_logits
 from .moe import load_balancing_loss
 
 ArrayLike = Array | np.ndarray
@@ -30,8 +30,14 @@ def next_token_nll(
     *,
     segment_ids: Int[ArrayLike, "batch seq"] | None = None,
     positions: Int[ArrayLike, "batch seq"] | None = None,
+    chunk_tokens: int | Literal["auto"] | None = None,
 ) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
     """Each row's summed next-token negative log-likelihood, and how many tokens it counts.
+
+    With `chunk_tokens`, the zoo's decoders score a row's tokens a chunk at a time
+    (`rc.nn.map_logits`): at Llama 3's 128,256-token vocabulary and 4,096 tokens,
+    `"auto"` makes a LoRA step's float32 logits and their gradient (2.1 GB each) 16
+    chunks' (`scripts/bench_chunked_loss.py`).
 
     Args:
         model: a decoder called on one sequence of ids, returning `(seq, vocab)` logits
@@ -43,6 +49,9 @@ def next_token_nll(
         segment_ids: which document each token belongs to (packed rows); a token
             whose document differs from the one before it is not a target.
         positions: each token's position within its document.
+        chunk_tokens: tokens of a row whose logits are computed at once, each chunk's
+            again in the backward pass (see `rc.nn.map_logits`); `"auto"`: chosen by
+            the vocabulary and length; None (default): the whole rows at once.
 
     Returns:
         `(nll, count)`, each `(batch,)` and float32: perplexity over rows is
@@ -64,21 +73,21 @@ def next_token_nll(
                 f"shape {ids.shape}; give one per token."
             )
     # The model reads whole rows, a length that splits evenly over devices (context
-    # parallelism) and is the one the rows were made with.
-    logits = jax.vmap(lambda ids, extra: model(ids, **extra))(ids, extra)
-    return _nll(logits, ids, loss_mask, extra.get("segment_ids"))
+    # parallelism) and is the one the rows were made with. Position t is scored on token
+    # t + 1 in float32, the zoo's logits a chunk of tokens at a time at large
+    # vocabularies (the planner compiles the same).
+    labels = jnp.roll(ids, -1, axis=1)
+    nll = map_logits(model, ids, cross_entropy, labels, extra=extra, chunk_tokens=chunk_tokens)
+    return _counted(nll, ids, loss_mask, extra.get("segment_ids"))
 
 
-def _nll(
-    logits: Float[Array, "batch seq vocab"],
+def _counted(
+    nll: Float[Array, "batch seq"],
     ids: Int[Array, "batch seq"],
     loss_mask: Bool[ArrayLike, "batch seq"] | None,
     segment_ids: Int[Array, "batch seq"] | None = None,
 ) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
-    # Position t is scored on token t + 1, and the last position, which has no next
-    # token, counts for nothing. In float32, the label's logit picked without a float32
-    # copy of the logits (the planner compiles the same).
-    nll = cross_entropy(logits, jnp.roll(ids, -1, axis=1))
+    # The last position, which has no next token, counts for nothing.
     counted = jnp.ones(ids.shape, bool) if loss_mask is None else jnp.asarray(loss_mask, bool)
     has_next = jnp.arange(ids.shape[1]) < ids.shape[1] - 1
     if segment_ids is not None:  # a document's first token is not predicted from another's
@@ -91,6 +100,8 @@ def lm_loss(
     model: Callable[[Int[Array, " seq"]], Float[Array, "seq vocab"]],
     batch: Mapping[str, Any],
     key: PRNGKeyArray | None = None,
+    *,
+    chunk_tokens: int | Literal["auto"] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """The mean next-token cross-entropy over the counted tokens of a batch: a `loss_fn`.
 
@@ -99,6 +110,8 @@ def lm_loss(
         batch: `{"input_ids": (batch, seq)}` and optionally `"loss_mask"`,
             `"segment_ids"` and `"positions"` (`rc.text.collate` of `rc.text` rows).
         key: unused (the zoo's decoders have no dropout); there for `fit`'s signature.
+        chunk_tokens: as for `next_token_nll` (`functools.partial(lm_loss,
+            chunk_tokens="auto")` is a `loss_fn` that scores the logits in chunks).
 
     Returns:
         `(loss, {"tokens": the number of tokens counted})`.
@@ -113,6 +126,7 @@ def lm_loss(
         batch.get("loss_mask"),
         segment_ids=batch.get("segment_ids"),
         positions=batch.get("positions"),
+        chunk_tokens=chunk_tokens,
     )
     total = count.sum()
     return nll.sum() / jnp.maximum(total, 1.0), {"tokens": total}
@@ -146,7 +160,8 @@ def moe_lm_loss(
     ids = jnp.asarray(batch["input_ids"])
     extra = {k: jnp.asarray(batch[k]) for k in ("positions", "segment_ids") if k in batch}
     logits, router = jax.vmap(lambda ids, extra: model.with_router_logits(ids, **extra))(ids, extra)
-    nll, count = _nll(logits, ids, batch.get("loss_mask"), extra.get("segment_ids"))
+    nll = cross_entropy(logits, jnp.roll(ids, -1, axis=1))
+    nll, count = _counted(nll, ids, batch.get("loss_mask"), extra.get("segment_ids"))
     total = count.sum()
     _, top_k = model.config.experts
     aux = load_balancing_loss(router, top_k, batch.get("attention_mask"))

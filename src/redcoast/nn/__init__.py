@@ -7,7 +7,8 @@ dot-product attention (the score matrix written out, flash-style blocks that nev
 hold it, or the accelerator's kernels), split over the sequence under context
 parallelism; `remat`
 recomputes a function in the backward pass; `cross_entropy` scores logits in float32
-without a float32 copy of them. The zoo is written with them, and so
+without a float32 copy of them, and `map_logits` scores a batch's logits a chunk of
+tokens at a time. The zoo is written with them, and so
 may a user's own model: LoRA wraps what `dense` runs, sequence parallelism splits
 it, and `attention` runs over a sequence that `rc.ContextParallel` splits.
 """
@@ -24,7 +25,11 @@ from ._layers import dense as dense
 from ._layers import normalise as normalise
 from ._layers import table_dtype as table_dtype
 from ._layers import tied_logits as tied_logits
+from ._loss import CHUNK_ABOVE as CHUNK_ABOVE
+from ._loss import CHUNK_LOGITS as CHUNK_LOGITS
+from ._loss import SplitHead as SplitHead
 from ._loss import cross_entropy as cross_entropy
+from ._loss import map_logits as map_logits
 from ._remat import REMAT_POLICIES as REMAT_POLICIES
 from ._remat import RematPolicy as RematPolicy
 from ._remat import check_remat as check_remat
