@@ -4,6 +4,8 @@ newest supported Python and JAX), `nox -s slow`, `nox -s exhaustive`, `nox -s li
 `nox -s examples`."""
 
 import json
+import os
+import sys
 import tomllib
 from pathlib import Path
 
@@ -30,8 +32,9 @@ FAST_COMPILE = {
     **SIMULATED,
     "XLA_FLAGS": SIMULATED["XLA_FLAGS"] + " --xla_backend_optimization_level=0",
 }
-# Two test processes: most of a test's time is XLA compiling, one core each.
-WORKERS = ("-n", "2")
+# Two test processes: most of a test's time is XLA compiling, one core each. The tests
+# of a fixture that compiles for long go to one worker (tests/conftest.py).
+WORKERS = ("-n", "2", "--dist", "loadgroup")
 FAST = ("-m", "not slow and not multihost")
 
 # The oldest and the newest supported (Python, JAX) pairs: the bounds in pyproject.toml.
@@ -69,7 +72,7 @@ def _requirements(args: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _install(session: nox.Session, what: str, *args: str) -> None:
+def _install(session: nox.Session, what: str, *args: str, python: str = "python") -> None:
     """`pip install ARGS`, naming what goes in, the large packages first.
 
     nox shows none of pip's output, so a first install (20 minutes on a busy machine)
@@ -80,9 +83,10 @@ def _install(session: nox.Session, what: str, *args: str) -> None:
     """
     report = Path(session.create_tmp()) / "pip-report.json"
     report.unlink(missing_ok=True)
-    dry = ("python", "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report))
+    pip = (python, "-m", "pip", "install")
+    dry = (*pip, "--dry-run", "--quiet", "--report", str(report))
     # Skipped by --no-install; not echoed: a reused environment's install stays one line.
-    session.run_install(*dry, *_requirements(args), silent=True, log=False)
+    session.run_install(*dry, *_requirements(args), silent=True, log=False, external=True)
     planned = json.loads(report.read_text())["install"] if report.exists() else []
     versions = {p["metadata"]["name"].lower(): p["metadata"]["version"] for p in planned}
     large = [(name, size) for name, size in LARGE.items() if name in versions]
@@ -91,11 +95,31 @@ def _install(session: nox.Session, what: str, *args: str) -> None:
         session.log(f"first the large packages, one at a time: {names}")
     for i, (name, size) in enumerate(large, 1):
         session.log(f"installing {name} {versions[name]} ({i} of {len(large)}): {size}")
-        session.install(f"{name}=={versions[name]}", "--no-deps", silent=False)
+        package = f"{name}=={versions[name]}"
+        session.run_install(*pip, package, "--no-deps", silent=False, external=True)
     rest = len(versions) - len(large)
     more = f" ({rest} more package{'s' * (rest > 1)})" if rest else ""
     session.log(f"installing {what}{more}")
-    session.install(*args)
+    session.run_install(*pip, *args, external=True)
+
+
+# `slow`, `multihost` and `lint` run in `tests`' environment, each adding what it needs:
+# one environment of PyTorch, JAX and transformers on this Python, not four (a first
+# install of each took 1-4 minutes, 10 in all).
+SHARED = Path(__file__).parent / ".nox" / "tests"
+
+
+def _shared(session: nox.Session, what: str, extras: str) -> tuple[Path, dict[str, str]]:
+    """`-e .[extras]` installed into `tests`' environment (made if it is missing): its
+    `bin` folder, where the commands are (nox would look for them on its own PATH), and
+    the variables that run them there (pyright finds the environment's Python on PATH)."""
+    bin_dir = SHARED / "bin"
+    if not (bin_dir / "python").exists():
+        session.run(sys.executable, "-m", "venv", str(SHARED), external=True)
+    what = f"{what} into tests' environment"
+    _install(session, what, "-e", f".[{extras}]", python=str(bin_dir / "python"))
+    path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    return bin_dir, {"VIRTUAL_ENV": str(SHARED), "PATH": path}
 
 
 @nox.session
@@ -111,54 +135,63 @@ def jax_matrix(session: nox.Session, jax: str) -> None:
     """The fast tests on the oldest and the newest supported Python and JAX.
 
     `nox -s jax_matrix` runs both pairs; one is `nox -s "jax_matrix(python='3.13',
-    jax='0.12.0.1')"`. Python 3.13 gets no PyTorch (see `HF_PYTHONS`), so the tests
+    jax='0.12.0.1')"`, without the longest fast tests (tests/conftest.py's `ONCE`: CI
+    runs them once, in `nox -s tests`). Python 3.13 gets no PyTorch (see `HF_PYTHONS`), so the tests
     that compare the zoo with `transformers` (`pytest.importorskip("torch")`) are
     skipped there and run in the 3.11 session.
     """
     extras = "test,hf" if session.python in HF_PYTHONS else "test"
     what = f"redcoast[{extras}] with JAX {jax} on Python {session.python}"
     _install(session, what, "-e", f".[{extras}]", f"jax=={jax}", f"jaxlib=={jax}")
-    session.run("pytest", *WORKERS, *FAST, *session.posargs, env=FAST_COMPILE)
+    # The newest pair leaves out the longest fast tests, which `tests` runs (`ONCE`).
+    marks = FAST if (session.python, jax) != JAX_MATRIX[-1] else ("-m", f"{FAST[1]} and not once")
+    session.run("pytest", *WORKERS, *marks, *session.posargs, env=FAST_COMPILE)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def slow(session: nox.Session) -> None:
     """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI,
     and plans compiled by the TPU compiler (the `tpu` extra)."""
-    what = "redcoast with its test, examples, hf and tpu extras"
-    _install(session, what, "-e", ".[test,examples,hf,tpu]")
+    bin_dir, env = _shared(
+        session, "the examples' packages and the TPU compiler", "test,examples,hf,tpu"
+    )
     session.run(
-        "pytest",
+        str(bin_dir / "pytest"),
         *WORKERS,
         "-m",
         "slow and not multihost and not exhaustive",
         *session.posargs,
-        env=FAST_COMPILE,
+        env={**env, **FAST_COMPILE},
+        external=True,
     )
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def exhaustive(session: nox.Session) -> None:
     """The slow checks `slow` runs on a few cases, on every case: every model family, 2
     and 8 devices, and the masks, meshes and layouts tests/conftest.py's `LATER` names."""
-    _install(session, "redcoast with its test and hf extras", "-e", ".[test,hf]")
-    session.run("pytest", *WORKERS, "-m", "exhaustive", *session.posargs, env=FAST_COMPILE)
+    bin_dir, env = _shared(session, "redcoast with its test and hf extras", "test,hf")
+    run = (str(bin_dir / "pytest"), *WORKERS, "-m", "exhaustive", *session.posargs)
+    session.run(*run, env={**env, **FAST_COMPILE}, external=True)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def multihost(session: nox.Session) -> None:
     """Real multi-process jobs: 2 x 4 and 4 x 2 processes x devices against 1 x 8."""
-    _install(session, "redcoast with its test extra", "-e", ".[test]")
-    session.run("pytest", "-m", "multihost", "tests/multihost", *session.posargs)
+    bin_dir, env = _shared(session, "redcoast with its test extra", "test")
+    marks = "multihost and not exhaustive"
+    run = (str(bin_dir / "pytest"), "-m", marks, "tests/multihost", *session.posargs)
+    session.run(*run, env=env, external=True)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check and pyright on src/."""
-    _install(session, "redcoast with ruff, pyright and nox", "-e", ".[dev]")
-    session.run("ruff", "check", "src", "tests", "scripts", "examples", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "scripts", "examples", "noxfile.py")
-    session.run("pyright", "src")
+    bin_dir, env = _shared(session, "ruff, pyright and nox", "dev")
+    ruff, paths = str(bin_dir / "ruff"), ("src", "tests", "scripts", "examples", "noxfile.py")
+    session.run(ruff, "check", *paths, env=env, external=True)
+    session.run(ruff, "format", "--check", *paths, env=env, external=True)
+    session.run(str(bin_dir / "pyright"), "src", env=env, external=True)
 
 
 @nox.session
