@@ -302,11 +302,14 @@ class _NoxSession:
     def install(self, *args: str, silent: bool | None = None) -> None:
         self.did.append(("install", args, silent))
 
-    def run_install(self, *args: str, silent: bool = False, log: bool = True) -> str:
+    def run_install(self, *args: str, silent: bool | None = None, **kwargs: object) -> str:
         if "--dry-run" in args:
             report = Path(args[args.index("--report") + 1])
             install = [{"metadata": {"name": n, "version": v}} for n, v in self.planned.items()]
             report.write_text(json.dumps({"install": install}))
+            return ""
+        if args[1:4] == ("-m", "pip", "install"):  # an environment's Python, running pip
+            self.did.append(("install", args[4:], silent))
             return ""
         return str(self.tmp / "requirements.txt")  # bench_maxtext asks where MaxText's are
 
