@@ -13,7 +13,8 @@ at the hardware's peak. `logits` is one copy of the whole float32 logits
 copies; `chunk` the share of a row's logits one chunk holds.
 
 Run: python scripts/bench_chunked_loss.py [--only TARGET[,TARGET...]]
-     (prints a table; writes bench-results/chunked_loss.json)
+     (prints a table; writes bench-results/chunked_loss.json; with `--only`, the rows
+     for those targets replace theirs there, the rest are kept)
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ def main() -> None:
         )
     out = Path("bench-results/chunked_loss.json")
     out.parent.mkdir(exist_ok=True)
+    if targets is not None and out.exists():  # the other targets' rows are kept
+        kept = [row for row in json.loads(out.read_text()) if row["target"] not in targets]
+        order = {row: i for i, row in enumerate(ROWS)}
+        rows = sorted(kept + rows, key=lambda r: order[(r["model"], r["tokens"], r["target"])])
     out.write_text(json.dumps(rows, indent=2, default=str) + "\n")
 
 
