@@ -4,9 +4,9 @@ Each row plans one LoRA train step of a Llama 3 checkpoint's architecture (rank 
 every projection of a bfloat16 base, bf16 compute, full remat, scanned layers, one
 sequence) with `rc.memory_plan`, twice: with the planner's loss over the whole logits
 (every token's float32 logits over 128,256 classes held at once, and their gradient),
-and with `rc.nn.map_logits(..., chunk_tokens="auto")` computing them a chunk of tokens
-at a time, recomputed in the backward pass (`rc.models.lm_loss(...,
-chunk_tokens="auto")`). For a GPU (an L4) from the CPU compiler's program, for a TPU v5e chip by the
+and with the logits a chunk of tokens at a time, recomputed in the backward pass
+(`loss_chunks="auto"`: `rc.models.lm_loss(..., chunk_tokens="auto")`, which runs
+`rc.nn.map_logits`). For a GPU (an L4) from the CPU compiler's program, for a TPU v5e chip by the
 TPU compiler (`pip install 'redcoast[tpu]'`); the step time is the planner's roofline
 at the hardware's peak. `logits` is one copy of the whole float32 logits
 (tokens x vocabulary x 4 bytes); `saved` is what chunking takes off the peak, in such
@@ -20,12 +20,10 @@ Run: python scripts/bench_chunked_loss.py [--only TARGET[,TARGET...]]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -50,13 +48,6 @@ def main() -> None:
     import redcoast as rc
     import redcoast.nn._loss as chunking
     from redcoast._units import fmt_bytes
-    from redcoast.models.planning import planned
-
-    def chunked_loss(model: Any, batch: dict[str, Any], key: Any) -> Any:
-        ids = batch["input_ids"]
-        labels = ids[:, 1:]
-        nll = rc.nn.map_logits(model, ids[:, :-1], rc.nn.cross_entropy, labels, chunk_tokens="auto")
-        return nll.mean()
 
     rc.simulate_devices(1)
     print(
@@ -69,14 +60,9 @@ def main() -> None:
         if targets is not None and target not in targets:
             continue
         start = time.perf_counter()
-        whole = planned(model)
-        plans = {}
-        for how, planned_model in (
-            ("whole", whole),
-            ("chunks", dataclasses.replace(whole, loss_fn=chunked_loss)),
-        ):
-            plans[how] = rc.memory_plan(
-                planned_model,
+        plans = {
+            how: rc.memory_plan(
+                model,
                 target=target,
                 devices=1,
                 seq_len=seq,
@@ -84,7 +70,10 @@ def main() -> None:
                 remat="full",
                 lora_rank=16,
                 max_batch=False,
+                loss_chunks=chunks,
             )
+            for how, chunks in (("whole", None), ("chunks", "auto"))
+        }
         seconds = time.perf_counter() - start
         logits = seq * VOCAB * 4
         whole, chunks = plans["whole"], plans["chunks"]

@@ -11,11 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from click.testing import CliRunner
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redcoast as rc
 import redcoast.nn._loss as chunking
+from redcoast.cli import main
 from redcoast.models import Gemma2Config, LlamaConfig
 
 VOCAB = 96
@@ -111,30 +113,24 @@ def test_a_sharded_step_with_the_loss_in_chunks_equals_one_device() -> None:
     assert_close(got[1], want[1])
 
 
-def test_chunks_hold_a_fraction_of_the_whole_logits() -> None:
-    """The train step's temporaries at 512 tokens of a 32,768-token vocabulary: the
-    float32 logits of a row (64 MiB) and their gradient dominate the whole computation;
-    in chunks of 64 tokens, an eighth of them."""
+def test_the_planner_counts_the_chunks_and_they_hold_a_fraction_of_the_logits() -> None:
+    """The AdamW step at 512 tokens of a 32,768-token vocabulary, planned whole and with
+    `loss_chunks=64` (as `lm_loss(..., chunk_tokens=64)` runs): a row's float32 logits
+    (64 MiB) and their gradient dominate the whole one; the chunks hold an eighth."""
     config = dataclasses.replace(CONFIGS["llama"], vocab_size=32768, max_position_embeddings=512)
-    model = eqx.filter_eval_shape(lambda: rc.models.Llama(config, key=jax.random.key(0)))
-    ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
-
-    def temp_bytes(chunk_tokens: int) -> int:
-        def loss(m: eqx.Module, ids: jax.Array) -> jax.Array:
-            nll = rc.nn.map_logits(
-                m, ids, rc.nn.cross_entropy, jnp.roll(ids, -1, 1), chunk_tokens=chunk_tokens
-            )
-            return nll.mean()
-
-        step = jax.jit(jax.grad(loss))
-        stats = step.lower(model, ids).compile().memory_analysis()
-        assert stats is not None
-        return stats.temp_size_in_bytes
-
-    whole, chunked = temp_bytes(0), temp_bytes(64)
+    options = dict(devices=1, seq_len=512, max_batch=False)
+    whole = rc.memory_plan(config, **options)
+    chunked = rc.memory_plan(config, loss_chunks=64, **options)
     row = 512 * 32768 * 4
-    assert whole >= 2 * row  # the logits and their gradient
-    assert chunked <= whole / 4, (chunked, whole)
+    assert whole.temporaries >= 2 * row  # the logits and their gradient
+    assert whole.peak - chunked.peak >= row, (whole.peak, chunked.peak)
+    assert "(loss in chunks: 64)" in str(chunked)
+    with pytest.raises(ValueError, match="a preference or RL step's log-probabilities"):
+        rc.memory_plan(config, loss_chunks="auto", rl="grpo", **options)
+    with pytest.raises(ValueError, match="loss_chunks must be 'auto' or an int >= 1"):
+        rc.memory_plan(config, loss_chunks=0, **options)
+    bad = CliRunner().invoke(main, ["plan", "gpt2", "--loss-chunks", "many"])
+    assert bad.exit_code == 2 and "give 'auto' or a number of tokens" in bad.output
 
 
 def test_bad_chunk_sizes_and_models_without_a_split_head() -> None:

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
 
@@ -269,6 +269,17 @@ def run() -> None:
     """
 
 
+def _loss_chunks(given: str | None) -> int | Literal["auto"] | None:
+    """--loss-chunks as `memory_plan` takes it: None, 'auto' or a number of tokens."""
+    if given is None or given == "auto":
+        return given
+    if not given.isdigit() or int(given) < 1:
+        raise click.BadParameter(
+            f"{given!r}: give 'auto' or a number of tokens >= 1.", param_hint="--loss-chunks"
+        )
+    return int(given)
+
+
 @main.command()
 @click.argument("model")
 @click.option(
@@ -379,6 +390,12 @@ def run() -> None:
     help="With --rl, the KL penalty's weight; above 0 the reference is the model without "
     "its adapters under LoRA, else a frozen copy in --frozen-dtype  [default: 0]",
 )
+@click.option(
+    "--loss-chunks",
+    default=None,
+    help="Plan the loss with the logits a chunk of tokens at a time, as rc.models.lm_loss("
+    "..., chunk_tokens=...) computes it: 'auto' or the tokens of a chunk  [default: whole]",
+)
 @click.option("--specs", is_flag=True, help="Also print every weight's split and why.")
 @click.option("--json", "json_path", default=None, help="Also write the figures to this file.")
 def plan(
@@ -406,6 +423,7 @@ def plan(
     num_generations: int | None,
     max_new_tokens: int | None,
     beta: float | None,
+    loss_chunks: str | None,
     specs: bool,
     json_path: str | None,
 ) -> None:
@@ -452,6 +470,7 @@ def plan(
                 num_generations=num_generations,
                 max_new_tokens=max_new_tokens,
                 beta=beta,
+                loss_chunks=_loss_chunks(loss_chunks),
             )
         if specs:  # after the plan's clock stopped: its last line times the compiles alone
             with heartbeat(f"planning {model}: tracing every weight's split"):

@@ -11,9 +11,11 @@ or what the planner takes itself (a `PlannedModel`, or a factory of any model).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -116,9 +118,15 @@ def _planned_dit(config: DiTConfig) -> planner.PlannedModel:
     )
 
 
-def _whole_rows_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+def _whole_rows_loss(
+    model: Any,
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+    *,
+    chunk_tokens: int | Literal["auto"] | None = None,
+) -> jax.Array:
     """The decoders' loss on rows of exactly `seq_len` tokens (`rc.models.lm_loss`)."""
-    return lm_loss(model, batch, key)[0]
+    return lm_loss(model, batch, key, chunk_tokens=chunk_tokens)[0]
 
 
 def planned(
@@ -177,13 +185,18 @@ def _plannable(model: Plannable) -> planner.PlannedModel | Callable[[PRNGKeyArra
     return planned(model) if isinstance(model, str | HFConfig | DiTConfig) else model
 
 
-def memory_plan(model: Plannable, **options: Any) -> MemoryPlan:
+def memory_plan(
+    model: Plannable, *, loss_chunks: int | Literal["auto"] | None = None, **options: Any
+) -> MemoryPlan:
     """`redcoast.plan.planner.memory_plan` for a preset name, config.json or zoo config too.
 
     Args:
         model: a preset name (`"llama-7b"`, see `redcoast.models.presets.PRESETS`),
             a `config.json` path (or its folder), a zoo config, a `PlannedModel`,
             or a factory `key -> causal LM` (it then decides its own remat).
+        loss_chunks: plan a decoder's loss as `rc.models.lm_loss(...,
+            chunk_tokens=loss_chunks)` computes it, the logits a chunk of tokens at a
+            time (`rc.nn.map_logits`): `"auto"` or the tokens of a chunk.
         **options: as for `redcoast.plan.planner.memory_plan` (devices, n_model_shards,
             fsdp, seq_len, precision, remat, device_memory, search, lora_rank, ...).
 
@@ -194,7 +207,40 @@ def memory_plan(model: Plannable, **options: Any) -> MemoryPlan:
         >>> print(rc.memory_plan("llama-7b", devices=4, n_model_shards=4, seq_len=1024,
         ...                      remat="full", device_memory="40GB"))
     """
-    return planner.memory_plan(_plannable(model), **options)
+    found = _plannable(model)
+    if loss_chunks is not None:
+        found = _in_chunks(found, loss_chunks, options)
+    return planner.memory_plan(found, **options)
+
+
+def _in_chunks(
+    found: planner.PlannedModel | Callable[[PRNGKeyArray], Any],
+    chunk_tokens: int | Literal["auto"],
+    options: dict[str, Any],
+) -> planner.PlannedModel:
+    """`found` with its language-model loss computed in chunks of `chunk_tokens`."""
+    if chunk_tokens != "auto" and (
+        isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+    ):
+        raise ValueError(
+            f"loss_chunks must be 'auto' or an int >= 1 (tokens), got {chunk_tokens!r}."
+        )
+    if not isinstance(found, planner.PlannedModel) or found.loss_fn is not planner.next_token_loss:
+        raise ValueError(
+            "loss_chunks plans a decoder's language-model loss (rc.models.lm_loss with "
+            "chunk_tokens): give a zoo decoder's preset, config.json or config."
+        )
+    if options.get("preference") is not None or options.get("rl") is not None:
+        raise ValueError(
+            "loss_chunks plans rc.models.lm_loss; a preference or RL step's log-probabilities "
+            "are planned whole. Plan one or the other."
+        )
+    return dataclasses.replace(
+        found,
+        name=f"{found.name} (loss in chunks: {chunk_tokens})",
+        loss_fn=functools.partial(planner.next_token_loss, chunk_tokens=chunk_tokens),
+        whole_rows_loss=functools.partial(_whole_rows_loss, chunk_tokens=chunk_tokens),
+    )
 
 
 def sharding_plan_of(

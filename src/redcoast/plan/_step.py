@@ -14,7 +14,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._tree_paths import leaves_with_paths, path_str
-from ..nn._loss import cross_entropy
+from ..nn._loss import cross_entropy, map_logits
 from ..parallel._context_parallel import ContextParallel
 from ..parallel._parallelism import Parallelism
 from ..parallel._placement import optimizer_specs, sharding_tree
@@ -53,10 +53,20 @@ __all__ = [
 ]
 
 
-def next_token_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
-    """A language model's loss on rows of `seq_len + 1` ids: each next token, from the rest."""
+def next_token_loss(
+    model: Any,
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+    *,
+    chunk_tokens: int | Literal["auto"] | None = None,
+) -> jax.Array:
+    """A language model's loss on rows of `seq_len + 1` ids: each next token, from the rest;
+    with `chunk_tokens`, the logits a chunk of tokens at a time (`rc.nn.map_logits`)."""
     del key
     ids = batch["input_ids"]
+    if chunk_tokens is not None:
+        nll = map_logits(model, ids[:, :-1], cross_entropy, ids[:, 1:], chunk_tokens=chunk_tokens)
+        return nll.mean()
     logits = jax.vmap(model)(ids[:, :-1])
     return cross_entropy(logits, ids[:, 1:]).mean()
 
