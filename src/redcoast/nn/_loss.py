@@ -81,16 +81,15 @@ def map_logits(
 
     With `chunk_tokens`, a model with `hidden` and `output_head` (`SplitHead`: the zoo's
     decoders) runs its blocks once; then `fn` gets the logits of a chunk of each row's
-    tokens at a time
-    (`lax.map`), and the backward pass computes each chunk's logits again rather than
-    keeping them (`jax.checkpoint`): the largest activation of a language model's loss
-    at a large vocabulary, `(tokens, vocab)` float32, shrinks to a chunk's. A chunk
-    holds every `n`-th token of each row (tokens `k, k + n, ...`), so a row split over
-    devices (context or sequence parallelism) stays split in every chunk; under tensor
-    parallelism the vocabulary stays split, as the whole logits are. Any other model is
-    called on the whole batch and `fn` gets all its logits at once. The values are the
-    same either way: `fn` must treat each token on its own (a per-token loss, a
-    log-probability), as the losses of `rc.models`, `rc.preference` and `rc.rl` do.
+    tokens at a time (`lax.map`), and the backward pass computes each chunk's logits
+    again rather than keeping them (`jax.checkpoint`): the largest activation of a
+    language model's loss at a large vocabulary, `(tokens, vocab)` float32, shrinks to a
+    chunk's. A chunk holds every `n`-th token of each row (tokens `k, k + n, ...`): a
+    row split into contiguous blocks over devices gives each device its share of every
+    chunk. Under tensor parallelism the vocabulary stays split, as the whole logits are.
+    Any other model is called on the whole batch and `fn` gets all its logits at once.
+    The values are the same either way, as long as `fn` treats each token on its own (a
+    per-token loss, a log-probability).
 
     Args:
         model: called on one row of ids (vmapped here), with `extra` as keywords.
