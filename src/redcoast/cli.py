@@ -269,6 +269,14 @@ def run() -> None:
     """
 
 
+# What `redcoast plan` adds below a plan for the CPU.
+_CPU_NOTE = (
+    "(the CPU compiler's figures: --target v5e-8 and other TPU slices compile with the "
+    "TPU compiler (pip install 'redcoast[tpu]'); --target h100-80gb, a100-40gb, "
+    "l4-24gb ... estimate a GPU)"
+)
+
+
 def _loss_chunks(given: str | None) -> int | Literal["auto"] | None:
     """--loss-chunks as `memory_plan` takes it: None, 'auto' or a number of tokens."""
     if given is None or given == "auto":
@@ -480,11 +488,7 @@ def plan(
         raise click.ClickException(str(err)) from err
     click.echo(str(result))
     if target == "cpu":
-        click.echo(
-            "(the CPU compiler's figures: --target v5e-8 and other TPU slices compile with the "
-            "TPU compiler (pip install 'redcoast[tpu]'); --target h100-80gb, a100-40gb, "
-            "l4-24gb ... estimate a GPU)"
-        )
+        click.echo(_CPU_NOTE)
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
 
