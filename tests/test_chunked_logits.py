@@ -149,3 +149,11 @@ def test_bad_chunk_sizes_and_models_without_a_split_head() -> None:
     split = jax.jit(lambda i: rc.nn.map_logits(model, i, fn, i, chunk_tokens=4))
     np.testing.assert_allclose(split(ids), plain(ids), rtol=1e-6)
     assert seen == [(4, 4, VOCAB), (4, 13, VOCAB)]
+
+
+def test_a_decoder_is_its_output_head_on_its_hidden_states() -> None:
+    model = model_of("gemma2-padded")
+    ids = jnp.asarray(ROWS[0])
+    head = model.output_head()
+    assert isinstance(head, rc.models.OutputHead) and isinstance(model, rc.nn.SplitHead)
+    np.testing.assert_array_equal(head(model.hidden(ids)), model(ids))

@@ -18,6 +18,7 @@ from .bart import BARTConfig as BARTConfig
 from .causal_lm import AbstractCausalLM as AbstractCausalLM
 from .causal_lm import CausalLMParts as CausalLMParts
 from .causal_lm import LayerOptions as LayerOptions
+from .causal_lm import OutputHead as OutputHead
 from .decoder import Decoder as Decoder
 from .decoder import DecoderConfig as DecoderConfig
 from .dit import DiT as DiT
