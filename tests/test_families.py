@@ -1,5 +1,5 @@
-"""Today's checkpoints -- Llama 3, Qwen 2/3, Mistral, Mixtral, Gemma 2/3, Phi-3 -- against
-transformers, and split over devices.
+"""Today's checkpoints -- Llama 3, Qwen 2/3, Qwen3-MoE, Mistral, Mixtral, Gemma 2/3,
+Phi-3 -- against transformers, and split over devices.
 
 Each family is a tiny random `transformers` model (hidden 32, 2 layers, 4 heads over 2
 key/value heads) saved with `save_pretrained`, every variant of the family on: scaled
@@ -38,10 +38,11 @@ SLOW = pytest.mark.slow
 WINDOW = 5
 IDS = np.random.default_rng(0).integers(2, VOCAB, (2, 12)).astype(np.int32)  # 12 > WINDOW
 NAMES = tuple(FAMILIES)
-# The slow checks run on two families in `nox -s slow` (experts; local/global layers
-# with query/key norms) and on every family in `nox -s exhaustive`.
+# The slow checks run on three families in `nox -s slow` (both routers of experts;
+# local/global layers with query/key norms) and on every family in `nox -s exhaustive`.
 EXHAUSTIVE = pytest.mark.exhaustive
-EACH = [n if n in ("mixtral", "gemma3") else pytest.param(n, marks=EXHAUSTIVE) for n in NAMES]
+MOST = ("mixtral", "qwen3_moe", "gemma3")
+EACH = [n if n in MOST else pytest.param(n, marks=EXHAUSTIVE) for n in NAMES]
 
 
 def hf_config(name: str) -> Any:
@@ -83,6 +84,15 @@ def hf_config(name: str) -> Any:
         return t.MistralConfig(**common, sliding_window=WINDOW)
     if name == "mixtral":
         return t.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if name == "qwen3_moe":  # more experts than Mixtral, narrower, top-k weights as drawn
+        return t.Qwen3MoeConfig(
+            **common,
+            head_dim=16,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+        )
     if name == "gemma2":
         return t.Gemma2Config(
             **common,
@@ -171,7 +181,7 @@ def forward(model: Any, ids: jax.Array) -> jax.Array:
 # (experts, windows on some layers, soft caps, 1 + w norms, biases, fused projections,
 # tied heads). The others, and LongRoPE's long factors (Phi-3 128k) past 8 positions,
 # are slow; the frequencies of every RoPE type are checked in the fast tests below.
-FAST = ("qwen2", "mixtral", "gemma2", "phi3")
+FAST = ("qwen2", "mixtral", "qwen3_moe", "gemma2", "phi3")
 
 
 @pytest.mark.parametrize(
@@ -312,8 +322,9 @@ def test_rope_frequencies_equal_transformers() -> None:
 
 
 @pytest.mark.slow
-def test_mixtral_loss_with_the_balancing_term_equals_transformers(checkpoints) -> None:
-    folder, hf_model = checkpoints("mixtral")
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_loss_with_the_balancing_term_equals_transformers(checkpoints, name: str) -> None:
+    folder, hf_model = checkpoints(name)
     ids = torch.tensor(IDS, dtype=torch.long)
     with torch.no_grad():
         out = hf_model(ids, labels=ids, output_router_logits=True)
@@ -327,8 +338,9 @@ def test_mixtral_loss_with_the_balancing_term_equals_transformers(checkpoints) -
     with torch.no_grad():
         masked = hf_model(ids, attention_mask=torch.tensor(mask), output_router_logits=True)
     _, router = jax.vmap(model.with_router_logits)(jnp.asarray(IDS))
-    assert router.shape == (2, 2, 12, 4)  # batch, layers, tokens, experts
-    aux = rc.models.load_balancing_loss(router, 2, jnp.asarray(mask, bool))
+    experts, top_k = model.config.experts
+    assert router.shape == (2, 2, 12, experts)  # batch, layers, tokens, experts
+    aux = rc.models.load_balancing_loss(router, top_k, jnp.asarray(mask, bool))
     np.testing.assert_allclose(float(aux), float(masked.aux_loss), rtol=1e-5)
 
 
@@ -474,6 +486,7 @@ def test_bf16_remat_and_every_option_run_for_every_family(name: str) -> None:
 TARGETS = {
     "phi3": ["o_proj", "down_proj"],  # PEFT's qkv_proj and gate_up_proj are fused
     "mixtral": ["q_proj", "v_proj", "o_proj"],  # experts are arrays, not Linears
+    "qwen3_moe": ["q_proj", "v_proj", "o_proj"],
 }
 
 

@@ -258,9 +258,9 @@ def test_unsupported_architecture_is_named(gpt2_folder: Path, tmp_path: Path) ->
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         ValueError,
-        match=r"model_type='bert'.*\['bart', 'gemma2', 'gemma3_text', 'gpt2', 'gptj', "
-        r"'llama', 'mistral', 'mixtral', 'opt', 'phi3', 'qwen2', 'qwen3', 't5', "
-        r"'vision-encoder-decoder', 'vit'\]",
+        match=r"model_type='bert'.*\['bart', 'deepseek_v3', 'gemma2', 'gemma3_text', 'gpt2', "
+        r"'gptj', 'llama', 'mistral', 'mixtral', 'opt', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe', "
+        r"'t5', 'vision-encoder-decoder', 'vit'\]",
     ):
         rc.models.from_hf(folder)
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*rc.models.from_hf picks"):
@@ -399,6 +399,26 @@ def built_in_code(model_type: str) -> rc.models.HFConfig:
             decoder_attention_heads=4,
             encoder_ffn_dim=64,
             decoder_ffn_dim=64,
+            max_position_embeddings=16,
+        ),
+        "deepseek_v3": lambda: m.DeepseekV3Config(
+            vocab_size=v,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
             max_position_embeddings=16,
         ),
         "vit": lambda: m.ViTConfig(**VIT),

@@ -384,6 +384,7 @@ FAMILIES = {
     "qwen3": "Qwen3",
     "mistral": "Mistral",
     "mixtral": "Mixtral",
+    "qwen3_moe": "Qwen3Moe",
     "gemma2": "Gemma2",
     "gemma3": "Gemma3",
     "phi3": "Phi3",
@@ -405,7 +406,8 @@ def family_config(
 ) -> object:
     """A small redcoast config of a family of `FAMILIES`, each with its variants on: Llama
     3's scaled RoPE and tied head, Qwen 2's Q/K/V biases and windows above layer 1, Qwen
-    3's query/key norms, Mistral's window, Mixtral's experts, Gemma's soft caps and
+    3's query/key norms, Mistral's window, Mixtral's experts (Qwen3-MoE's: more, narrower,
+    three a token), Gemma's soft caps and
     local layers (Gemma 3's with their own RoPE base), Phi-3's fused projections."""
     import redcoast as rc
 
@@ -437,6 +439,13 @@ def family_config(
         "qwen3": lambda: m.Qwen3Config(**common, **head_dim),
         "mistral": lambda: m.MistralConfig(**common, sliding_window=window),
         "mixtral": lambda: m.MixtralConfig(**common, num_local_experts=experts),
+        "qwen3_moe": lambda: m.Qwen3MoeConfig(
+            **common,
+            **head_dim,
+            moe_intermediate_size=ffn // 2,
+            num_experts=2 * experts,
+            num_experts_per_tok=3,
+        ),
         "gemma2": lambda: m.Gemma2Config(
             **common, **head_dim, sliding_window=window, query_pre_attn_scalar=width // heads
         ),

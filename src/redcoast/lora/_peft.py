@@ -55,8 +55,9 @@ _PLAIN = {
 }
 
 
-def _modules(model: Any) -> dict[str, tuple[str, int | None, bool]]:
-    """Our Linear path -> (its `transformers` module name with `{i}`, layer, stacked).
+def _modules(model: Any) -> dict[str, tuple[Any, int | None, bool]]:
+    """Our Linear path -> (the map of its `transformers` weight, layer, stacked); the
+    module of layer `i` is `_module(map, i)`.
 
     Only per-layer maps of one tensor onto one Linear weight qualify; a fused tensor
     (GPT-2's `c_attn` holds Q, K and V) is absent, and so refused by the callers.
@@ -74,19 +75,24 @@ def _modules(model: Any) -> dict[str, tuple[str, int | None, bool]]:
         return isinstance(x, eqx.nn.Linear | LoRALinear | AbstractQuantized)
 
     linears = {path for path, x in leaves_with_paths(model, is_linear) if is_linear(x)}
-    out: dict[str, tuple[str, int | None, bool]] = {}
+    out: dict[str, tuple[Any, int | None, bool]] = {}
     for m in type(model).hf_tensors(model.config):  # type: ignore[attr-defined]
         if not m.per_layer or len(m.ours) != 1 or not m.ours[0].endswith(".weight"):
             continue
-        module = m.hf[: -len(".weight")]
         linear = m.ours[0][: -len(".weight")]
         blocks = getattr(model, m.stack)
         if isinstance(blocks, tuple):
             for i in range(len(blocks)):
-                out[f"{m.stack}.{i}.{linear}"] = (module, i, False)
+                out[f"{m.stack}.{i}.{linear}"] = (m, i, False)
         else:
-            out[f"{m.stack}.{linear}"] = (module, None, True)
+            out[f"{m.stack}.{linear}"] = (m, None, True)
     return {path: v for path, v in out.items() if path in linears}
+
+
+def _module(m: Any, i: int | None) -> str:
+    """The `transformers` module whose weight the tensor map `m` maps (a
+    `redcoast.models.hf.TensorMap`), in layer `i` of its stack."""
+    return m.name(i).removesuffix(".weight")
 
 
 def _uniform(layers: list[tuple[str, LoRALinear]]) -> tuple[int, float, float]:
@@ -165,7 +171,7 @@ def save_peft(
             weight = np.asarray(to_host(getattr(layer, ours).weight), np.float32)
             rows = enumerate(weight) if stacked else [(index, weight)]
             for i, w in rows:
-                tensors[f"{_PREFIX}{module.format(i=i)}.{theirs}.weight"] = w
+                tensors[f"{_PREFIX}{_module(module, i)}.{theirs}.weight"] = w
     targets = sorted({k[len(_PREFIX) :].rsplit(".", 2)[0] for k in tensors})
     config = {
         "peft_type": "LORA",
@@ -249,7 +255,7 @@ def load_peft(
     tensors = load_file(str(root / WEIGHTS))
     modules = _modules(model)
     by_name = {
-        module.format(i=i): (path, i, stacked)
+        _module(module, i): (path, i, stacked)
         for path, (module, i, stacked) in modules.items()
         for i in ([i] if not stacked else range(_layers(model, path)))
     }

@@ -2,10 +2,11 @@
 
 The decoder zoo -- `GPT2`, `OPT`, `GPTJ`, and today's checkpoints on one
 `Decoder`: `Llama` (1-3.2), `Qwen2`, `Qwen3`, `Mistral`, `Mixtral`, `Gemma2`,
-`Gemma3`, `Phi3` -- loads from and saves to Hugging Face `transformers` folders
-(`from_hf`, `to_hf`) and generates with a key/value cache (`generate`). The
-encoder-decoders `T5` and `BART` do the same, and generate greedily, by sampling
-or by beam search (`generate_seq2seq`); so does the captioning model
+`Gemma3`, `Phi3`; and `DeepseekV3` (DeepSeek-V3, Moonlight), whose layers attend
+through a latent (`MLAttention`) -- loads from and saves to Hugging Face
+`transformers` folders (`from_hf`, `to_hf`) and generates with a key/value cache
+(`generate`). The encoder-decoders `T5` and `BART` do the same, and generate
+greedily, by sampling or by beam search (`generate_seq2seq`); so does the captioning model
 `VisionEncoderDecoder` (a `ViT` encoder and a GPT-2 decoder), from images, and the
 image classifier `ViTClassifier` loads and saves alike. `DiT`
 goes the other way: a text-conditioned diffusion transformer with a DDIM sampler.
@@ -21,6 +22,9 @@ from .causal_lm import LayerOptions as LayerOptions
 from .causal_lm import OutputHead as OutputHead
 from .decoder import Decoder as Decoder
 from .decoder import DecoderConfig as DecoderConfig
+from .deepseek import DeepseekV3 as DeepseekV3
+from .deepseek import DeepseekV3Config as DeepseekV3Config
+from .deepseek import MLAttention as MLAttention
 from .dit import DiT as DiT
 from .dit import DiTConfig as DiTConfig
 from .dit import ddim_sample as ddim_sample
@@ -54,8 +58,13 @@ from .mistral import Mistral as Mistral
 from .mistral import MistralConfig as MistralConfig
 from .mistral import Mixtral as Mixtral
 from .mistral import MixtralConfig as MixtralConfig
+from .moe import Router as Router
 from .moe import SparseMoE as SparseMoE
 from .moe import load_balancing_loss as load_balancing_loss
+from .moe import route_layers as route_layers
+from .moe import router_z_loss as router_z_loss
+from .moe import routing_metrics as routing_metrics
+from .moe import with_dispatch as with_dispatch
 from .opt import OPT as OPT
 from .opt import OPTConfig as OPTConfig
 from .phi3 import Phi3 as Phi3
@@ -66,6 +75,8 @@ from .qwen import Qwen2 as Qwen2
 from .qwen import Qwen2Config as Qwen2Config
 from .qwen import Qwen3 as Qwen3
 from .qwen import Qwen3Config as Qwen3Config
+from .qwen import Qwen3Moe as Qwen3Moe
+from .qwen import Qwen3MoeConfig as Qwen3MoeConfig
 from .rope import RoPE as RoPE
 from .seq2seq import AbstractSeq2SeqLM as AbstractSeq2SeqLM
 from .seq2seq import Seq2SeqAttention as Seq2SeqAttention

@@ -50,6 +50,8 @@ class TensorMap:
         n_experts: for a tensor per expert (`{e}` in `hf`, see `experts`), how many:
             the model's array stacks them on an expert axis (after the layer axis of
             stacked layers).
+        first_layer: in a per-layer map, the checkpoint's index of the stack's first
+            layer (DeepSeek-V3's stack of MoE layers follows its dense layers).
     """
 
     hf: str
@@ -58,6 +60,7 @@ class TensorMap:
     to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray] = _first
     stack: str = "blocks"
     n_experts: int = 0
+    first_layer: int = 0
 
     @property
     def per_layer(self) -> bool:
@@ -67,7 +70,7 @@ class TensorMap:
         """The checkpoint's name of this tensor in `layer` (and of `expert`)."""
         if layer is None and expert is None:
             return self.hf
-        return self.hf.format(i=layer, e=expert)
+        return self.hf.format(i=None if layer is None else layer + self.first_layer, e=expert)
 
 
 def same(hf: str, ours: str) -> TensorMap:

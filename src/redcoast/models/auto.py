@@ -6,6 +6,7 @@ from typing import Any, Unpack
 
 from .bart import BART
 from .causal_lm import AbstractCausalLM
+from .deepseek import DeepseekV3
 from .gemma import Gemma2, Gemma3
 from .gpt2 import GPT2
 from .gptj import GPTJ
@@ -14,7 +15,7 @@ from .llama import Llama
 from .mistral import Mistral, Mixtral
 from .opt import OPT
 from .phi3 import Phi3
-from .qwen import Qwen2, Qwen3
+from .qwen import Qwen2, Qwen3, Qwen3Moe
 from .seq2seq import AbstractSeq2SeqLM
 from .t5 import T5
 from .vision_encoder_decoder import VisionEncoderDecoder
@@ -31,11 +32,13 @@ _CLASSES = (
     Llama,
     Qwen2,
     Qwen3,
+    Qwen3Moe,
     Mistral,
     Mixtral,
     Gemma2,
     Gemma3,
     Phi3,
+    DeepseekV3,
 )
 ZooModel = AbstractCausalLM | AbstractSeq2SeqLM | ViT | ViTClassifier
 """What `from_hf` returns: a model of the zoo."""
@@ -75,10 +78,11 @@ def from_hf(path: str | Path, **options: Unpack[LoadOptions]) -> ZooModel:
     """Load a `transformers` `save_pretrained` folder as the zoo model its `model_type` names.
 
     The `model_type`s: `gpt2`, `opt`, `gptj`, `llama` (1, 2, 3, 3.1, 3.2), `qwen2`
-    (Qwen 2, 2.5), `qwen3`, `mistral`, `mixtral`, `gemma2`, `gemma3_text`, `phi3`, and
-    the encoder-decoders `t5` and `bart`, the image encoder `vit` (a `ViTClassifier`
-    when `architectures` says `ViTForImageClassification`) and the captioning
-    `vision-encoder-decoder` (ViT + GPT-2) (`ARCHITECTURES`).
+    (Qwen 2, 2.5), `qwen3`, `mistral`, `mixtral`, `gemma2`, `gemma3_text`, `phi3`,
+    `deepseek_v3` (DeepSeek-V3, Moonlight), and the encoder-decoders `t5` and `bart`,
+    the image encoder `vit` (a `ViTClassifier` when `architectures` says
+    `ViTForImageClassification`) and the captioning `vision-encoder-decoder` (ViT +
+    GPT-2) (`ARCHITECTURES`).
 
     Args:
         path: the folder (config.json + safetensors).

@@ -52,7 +52,7 @@ from .layers import (
     SwiGLU,
     activation,
 )
-from .moe import SparseMoE
+from .moe import Router, SparseMoE, route_layers
 from .rope import RoPE, rope_from_parameters
 
 __all__ = ["Decoder", "DecoderConfig"]
@@ -195,6 +195,10 @@ class DecoderConfig(hf.HFConfig):
     # config.json field are the properties below).
     qk_norm: ClassVar[bool] = False
     norm_offset: ClassVar[bool] = False
+    # A mixture's tensors in the checkpoint: `{layer}{experts_prefix}gate.weight` and
+    # `...experts.{e}.{name}.weight` for the gate, up and down projections.
+    experts_prefix: ClassVar[str] = "block_sparse_moe."
+    expert_names: ClassVar[tuple[str, str, str]] = ("w1", "w3", "w2")
     post_norms: ClassVar[bool] = False
     fused_projections: ClassVar[bool] = False
 
@@ -237,6 +241,16 @@ class DecoderConfig(hf.HFConfig):
     def experts(self) -> tuple[int, int] | None:
         """`(num_experts, top_k)` of a mixture-of-experts MLP, or `None` for a dense one."""
         return None
+
+    @property
+    def expert_size(self) -> int:
+        """Each expert's intermediate size (Qwen3-MoE: `moe_intermediate_size`)."""
+        return self.intermediate_size
+
+    @property
+    def router(self) -> Router:
+        """How a mixture's router picks the experts (Mixtral's: softmax, renormalised)."""
+        return Router()
 
     @property
     def rotary_dim(self) -> int:
@@ -371,9 +385,10 @@ def _block(
         n, top_k = c.experts
         mlp = SparseMoE(
             c.hidden_size,
-            c.intermediate_size,
+            c.expert_size,
             num_experts=n,
             top_k=top_k,
+            router=c.router,
             activation=act,
             std=c.initializer_range,
             key=km,
@@ -460,6 +475,26 @@ class Decoder(AbstractCausalLM):
         stacked = routers if not isinstance(routers, tuple) else jnp.stack(routers)
         return self.output_head()(x), stacked
 
+    def with_routing(
+        self,
+        input_ids: Int[Array, " seq"],
+        *,
+        positions: Int[Array, " seq"] | None = None,
+        segment_ids: Int[Array, " seq"] | None = None,
+    ) -> tuple[
+        Float[Array, "seq vocab"], Float[Array, "layers seq experts"], Int[Array, "layers seq k"]
+    ]:
+        """`with_router_logits` and every layer's chosen experts for every token (for
+        `rc.models.routing_metrics`).
+
+        Example:
+            >>> logits, router, chosen = jax.vmap(model.with_routing)(ids)
+        """
+        logits, router = self.with_router_logits(
+            input_ids, positions=positions, segment_ids=segment_ids
+        )
+        return logits, router, route_layers(self, router)
+
     @classmethod
     def hf_tensors(cls, config: DecoderConfig) -> list[hf.TensorMap]:
         """The checkpoint's names (LLaMA's, with each family's variants); PyTorch Linears
@@ -500,13 +535,13 @@ class Decoder(AbstractCausalLM):
     @staticmethod
     def _mlp_tensors(c: DecoderConfig, h: str) -> list[hf.TensorMap]:
         if c.experts is not None:
-            m = h + "block_sparse_moe."
+            m = h + c.experts_prefix
             n = c.experts[0]
             return [
                 hf.same(m + "gate.weight", "mlp.gate.weight"),
                 *(
-                    hf.experts(f"{m}experts.{{e}}.{w}.weight", f"mlp.{w}", n)
-                    for w in ("w1", "w2", "w3")
+                    hf.experts(f"{m}experts.{{e}}.{theirs}.weight", f"mlp.{ours}", n)
+                    for theirs, ours in zip(c.expert_names, ("w1", "w3", "w2"), strict=True)
                 ),
             ]
         maps = [hf.same(h + "mlp.down_proj.weight", "mlp.down_proj.weight")]

@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..nn._loss import cross_entropy, map_logits
-from .moe import load_balancing_loss
+from .moe import SparseMoE, load_balancing_loss, router_z_loss, routing_metrics
 
 ArrayLike = Array | np.ndarray
 
@@ -136,21 +136,30 @@ def moe_lm_loss(
     model: Any,
     batch: Mapping[str, Any],
     key: PRNGKeyArray | None = None,
+    *,
+    router_z_loss_coef: float = 0.0,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """`lm_loss` plus the routers' load-balancing loss of a mixture of experts: a `loss_fn`.
 
     `lm_loss + router_aux_loss_coef * load_balancing_loss`, what `transformers`'
-    `MixtralForCausalLM` returns as its loss with `output_router_logits=True`. Every
-    token of the batch counts in the balance (a batch's `"attention_mask"`, when it
-    has one, says which), whatever its `loss_mask`.
+    `MixtralForCausalLM` (and `Qwen3MoeForCausalLM`) returns as its loss with
+    `output_router_logits=True`; a config without `router_aux_loss_coef` (DeepSeek-V3,
+    balanced by its routers' bias instead) adds none and reports none. Every token of
+    the batch counts in the balance (a batch's `"attention_mask"`, when it has one,
+    says which), whatever its `loss_mask`. `router_z_loss_coef` adds ST-MoE's router z-loss
+    (`functools.partial(moe_lm_loss, router_z_loss_coef=1e-3)`).
 
     Args:
         model: a model with experts (`rc.models.Mixtral`, LoRA-adapted or not).
         batch: as for `lm_loss`.
         key: unused.
+        router_z_loss_coef: the weight of `router_z_loss`.
 
     Returns:
-        `(loss, {"tokens": tokens counted, "aux_loss": the load-balancing loss})`.
+        `(loss, metrics)`: the tokens counted, `aux_loss` (the load-balancing loss, with
+        a coefficient),
+        `z_loss` with a coefficient, and `routing_metrics` of the batch (how evenly the
+        experts were chosen; with a capacity dispatch, the share of routings dropped).
 
     Example:
         >>> rc.fit(mixtral, opt, rows, collate_fn=rc.text.collate,
@@ -159,11 +168,33 @@ def moe_lm_loss(
     del key
     ids = jnp.asarray(batch["input_ids"])
     extra = {k: jnp.asarray(batch[k]) for k in ("positions", "segment_ids") if k in batch}
-    logits, router = jax.vmap(lambda ids, extra: model.with_router_logits(ids, **extra))(ids, extra)
+    logits, router, chosen = jax.vmap(lambda ids, extra: model.with_routing(ids, **extra))(
+        ids, extra
+    )
     nll = cross_entropy(logits, jnp.roll(ids, -1, axis=1))
     nll, count = _counted(nll, ids, batch.get("loss_mask"), extra.get("segment_ids"))
     total = count.sum()
-    _, top_k = model.config.experts
-    aux = load_balancing_loss(router, top_k, batch.get("attention_mask"))
-    loss = nll.sum() / jnp.maximum(total, 1.0) + model.config.router_aux_loss_coef * aux
-    return loss, {"tokens": total, "aux_loss": aux}
+    n_experts, top_k = model.config.experts
+    mask = batch.get("attention_mask")
+    loss = nll.sum() / jnp.maximum(total, 1.0)
+    metrics = {"tokens": total}
+    coef = getattr(model.config, "router_aux_loss_coef", None)
+    if coef is not None:
+        aux = load_balancing_loss(router, top_k, mask)
+        loss = loss + coef * aux
+        metrics["aux_loss"] = aux
+    if router_z_loss_coef:
+        z = router_z_loss(router, None if mask is None else jnp.asarray(mask)[:, None, :])
+        loss = loss + router_z_loss_coef * z
+        metrics["z_loss"] = z
+    capacity = _capacity(model)
+    metrics |= routing_metrics(chosen, n_experts, capacity_factor=capacity)
+    return loss, metrics
+
+
+def _capacity(model: Any) -> float | None:
+    """The capacity factor the model's mixtures dispatch with, or None (dropless, dense)."""
+    for leaf in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, SparseMoE)):
+        if isinstance(leaf, SparseMoE) and not isinstance(leaf.dispatch, str):
+            return float(leaf.dispatch)
+    return None

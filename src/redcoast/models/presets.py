@@ -1,7 +1,9 @@
 """Named sizes of the zoo: the published configurations of GPT-2, LLaMA, GPT-J, OPT,
 BART and T5 (the original T5 1.0: `t5-xxl` is the 11B model), and of today's
 checkpoints: Llama 3.1 8B, Llama 3.2 1B and 3B, Qwen 2.5 7B, Qwen 3 8B, Mistral 7B (v0.1,
-with its sliding window), Mixtral 8x7B, Gemma 2 9B and Phi-3 mini (4k).
+with its sliding window), Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B, Gemma 2 9B,
+Phi-3 mini (4k), DeepSeek-V3 (671B, without its multi-token-prediction layer) and
+Moonlight-16B-A3B.
 
 `preset("llama-7b")` gives the class and config of that model, as its
 `config.json` on the Hugging Face hub has them, so a model can be planned
@@ -14,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from .bart import BART, BARTConfig
+from .deepseek import DeepseekV3, DeepseekV3Config
 from .gemma import Gemma2, Gemma2Config
 from .gpt2 import GPT2, GPT2Config
 from .gptj import GPTJ, GPTJConfig
@@ -22,7 +25,7 @@ from .llama import Llama, LlamaConfig
 from .mistral import Mistral, MistralConfig, Mixtral, MixtralConfig
 from .opt import OPT, OPTConfig
 from .phi3 import Phi3, Phi3Config
-from .qwen import Qwen2, Qwen2Config, Qwen3, Qwen3Config
+from .qwen import Qwen2, Qwen2Config, Qwen3, Qwen3Config, Qwen3Moe, Qwen3MoeConfig
 from .t5 import T5, T5Config
 
 
@@ -148,6 +151,40 @@ _TODAY: dict[str, tuple[type[Any], HFConfig]] = {
             router_aux_loss_coef=0.02,
         ),
     ),
+    "qwen3-30b-a3b": (
+        Qwen3Moe,
+        Qwen3MoeConfig(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            max_position_embeddings=40960,
+            rope_theta=1e6,
+        ),
+    ),
+    "qwen3-235b-a22b": (
+        Qwen3Moe,
+        Qwen3MoeConfig(
+            hidden_size=4096,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_hidden_layers=94,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            max_position_embeddings=40960,
+            rope_theta=1e6,
+        ),
+    ),
     "gemma-2-9b": (
         Gemma2,
         Gemma2Config(
@@ -174,6 +211,44 @@ _TODAY: dict[str, tuple[type[Any], HFConfig]] = {
             max_position_embeddings=4096,
             original_max_position_embeddings=4096,
             sliding_window=2047,
+        ),
+    ),
+    "deepseek-v3": (
+        DeepseekV3,
+        DeepseekV3Config(
+            max_position_embeddings=163840,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 40,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+    ),
+    "moonlight-16b-a3b": (
+        DeepseekV3,
+        DeepseekV3Config(
+            vocab_size=163840,
+            hidden_size=2048,
+            intermediate_size=11264,
+            moe_intermediate_size=1408,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            n_shared_experts=2,
+            n_routed_experts=64,
+            routed_scaling_factor=2.446,
+            q_lora_rank=None,
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=6,
+            first_k_dense_replace=1,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_theta=50000.0,
         ),
     ),
 }

@@ -6,7 +6,8 @@ LayerNorm or RMSNorm with a closed-form gradient; `attention` is scaled
 dot-product attention (the score matrix written out, flash-style blocks that never
 hold it, or the accelerator's kernels), split over the sequence under context
 parallelism; `remat`
-recomputes a function in the backward pass; `cross_entropy` scores logits in float32
+recomputes a function in the backward pass; `experts` applies a mixture's experts
+to the tokens routed to them; `cross_entropy` scores logits in float32
 without a float32 copy of them, and `map_logits` scores a batch's logits a chunk of
 tokens at a time. The zoo is written with them, and so
 may a user's own model: LoRA wraps what `dense` runs, sequence parallelism splits
@@ -17,6 +18,7 @@ from ._attention import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ._attention import Implementation as Implementation
 from ._attention import attention as attention
 from ._attention import check_implementation as check_implementation
+from ._experts import experts as experts
 from ._layers import AbstractProjection as AbstractProjection
 from ._layers import AbstractQuantized as AbstractQuantized
 from ._layers import AbstractTable as AbstractTable

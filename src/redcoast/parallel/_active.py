@@ -64,6 +64,26 @@ def activated(active: Active | None) -> Iterator[Active | None]:
         _ACTIVE.reset(token)
 
 
+_DATAFLOW: contextvars.ContextVar[bool] = contextvars.ContextVar("redcoast_dataflow", default=False)
+
+
+def tracing_dataflow() -> bool:
+    """Whether the sharding rules are tracing the model now (`trace_dataflow`): blocks
+    whose fast form hides its matmuls (a mixture's sorted dispatch) then compute in
+    the plain form the rules read, the same numbers."""
+    return _DATAFLOW.get()
+
+
+@contextlib.contextmanager
+def dataflow_trace() -> Iterator[None]:
+    """Mark the block as the sharding rules' trace of a model."""
+    token = _DATAFLOW.set(True)
+    try:
+        yield
+    finally:
+        _DATAFLOW.reset(token)
+
+
 def gather_layouts(tree: Any) -> Any:
     """`tree` with each array replaced by the `fsdp.Layout` it is gathered with, or None."""
     active = current()

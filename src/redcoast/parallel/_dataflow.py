@@ -26,7 +26,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from . import _jaxpr
+from . import _active, _jaxpr
 from ._dataflow_state import DATA, EMPTY, Axes, join
 from ._dataflow_state import NO_USE as NO_USE
 from ._dataflow_state import Dataflow as Dataflow
@@ -543,7 +543,8 @@ def trace_dataflow(example_call: Callable[[Any], Any], model: Any) -> Dataflow:
 
     abstract = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
     try:
-        closed = jax.make_jaxpr(run)(*abstract)
+        with _active.dataflow_trace():
+            closed = jax.make_jaxpr(run)(*abstract)
     except Exception as err:
         raise ValueError(
             f"example_call raised {type(err).__name__} while being traced: {err}\n"

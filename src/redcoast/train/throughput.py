@@ -147,6 +147,14 @@ def _eqn_flops(eqn: Any) -> float:
             (contract, _), _ = _jaxpr.dot_dimensions(eqn)
             lhs = _shape(eqn.invars[0])
             return 2.0 * out * math.prod(lhs[a] for a in contract)
+        if primitive == "ragged_dot_general":  # each row meets one group's matrix
+            numbers = eqn.params["ragged_dot_dimension_numbers"]
+            (contract, _), _ = numbers.dot_dimension_numbers
+            lhs = _shape(eqn.invars[0])
+            flops = 2.0 * out * math.prod(lhs[a] for a in contract)
+            if set(numbers.lhs_ragged_dimensions) & set(contract):  # one output per group
+                flops /= max(_shape(eqn.invars[2])[0], 1)
+            return flops
         if primitive in _jaxpr.CONV:
             kernel = _shape(eqn.invars[1])
             outputs = kernel[_jaxpr.conv_channels(eqn)[0]]
