@@ -84,10 +84,26 @@ parameters x tokens over the slice's peak and that time). The compiler's own
 `cost_analysis()` figures are printed beside it as they are (it counts a loop's body
 once).
 
+`--tpu --moe` compiles a Mixtral the same way (FSDP 8 only), each program in its own
+process: 795M parameters, 267M active (hidden 1024, 8 layers, 16 query heads of 64
+over 8 K/V heads, 8 SwiGLU experts of 3584 with 2 chosen a token, vocabulary 32000,
+untied head), 2048 tokens, 4 sequences a chip. MaxText: `decoder_block=mixtral
+num_experts=8 num_experts_per_tok=2` with its base.yml's MoE defaults
+(`sparse_matmul=true megablox=true`: dropless, its Pallas grouped matmuls `gmm` and
+`tgmm`), and once with `megablox=false` (`jax.lax.ragged_dot`, redcoast's path);
+redcoast: `rc.models.Mixtral`, the step `rc.memory_plan(..., target="v5e-8",
+precision="bf16", remat="full", fsdp=True)` compiles (experts dispatched "dropless",
+`jax.lax.ragged_dot` on TPU). The FLOPs add the grouped matmuls the planner's count
+misses (`grouped_flops`), MFU is of the active parameters, and the program's grouped
+matmuls are counted in its HLO (`hlo_ops`): XLA:TPU lowers `ragged_dot` to its own
+Mosaic kernels (`ragged-dot-none`) or to convolutions that skip the rows outside
+each group, never to a dense matmul per expert.
+
 Run: nox -s bench_maxtext -- --reps 5    (the session installs MaxText, its
      decoupled CPU requirements and libtpu in its own venv, never as a redcoast
      dependency)
      nox -s bench_maxtext -- --tpu
+     nox -s bench_maxtext -- --tpu --moe
 """
 
 from __future__ import annotations
@@ -98,6 +114,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -460,18 +477,10 @@ def tpu_environment() -> None:
     os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()
 
 
-def tpu_maxtext_config(fsdp: int, tensor: int, attention: str, workdir: Path) -> Any:
-    """MaxText's config for the 953M LLaMA compiled for a v5e-8 (`train_compile`'s)."""
-    from maxtext.configs import pyconfig
-
-    spec = importlib.util.find_spec("maxtext")
-    assert spec is not None and spec.origin is not None
-    base = Path(spec.origin).parent / "configs" / "base.yml"
+def tpu_llama_overrides(attention: str) -> dict[str, Any]:
+    """MaxText's sizes of the 953M LLaMA, and its attention."""
     z = TPU_SIZES
-    overrides = {
-        "run_name": f"bench_tpu_{fsdp}x{tensor}",
-        "compile_topology": TPU_TARGET,
-        "compile_topology_num_slices": 1,
+    return {
         "base_emb_dim": z["D"],
         "base_num_decoder_layers": z["L"],
         "base_num_query_heads": z["H"],
@@ -481,15 +490,33 @@ def tpu_maxtext_config(fsdp: int, tensor: int, attention: str, workdir: Path) ->
         "vocab_size": z["V"],
         "max_target_length": z["S"],
         "per_device_batch_size": z["PER_CHIP"],
-        "dtype": "bfloat16",
         "attention": attention,
+    }
+
+
+def tpu_maxtext_config(fsdp: int, tensor: int, model: dict[str, Any], workdir: Path) -> Any:
+    """MaxText's config compiled for a v5e-8 (`train_compile`'s), the model's sizes
+    and options `model` (`tpu_llama_overrides`, `moe_overrides`)."""
+    from maxtext.configs import pyconfig
+
+    spec = importlib.util.find_spec("maxtext")
+    assert spec is not None and spec.origin is not None
+    base = Path(spec.origin).parent / "configs" / "base.yml"
+    overrides = {
+        "run_name": f"bench_tpu_{fsdp}x{tensor}",
+        "compile_topology": TPU_TARGET,
+        "compile_topology_num_slices": 1,
+        "dtype": "bfloat16",
         **maxtext_common(fsdp, tensor, workdir),
+        **model,  # after the common settings: a Mixtral's `decoder_block` replaces LLaMA-2's
     }
     argv = ["bench", str(base), *(f"{k}={v}" for k, v in overrides.items())]
     return pyconfig.initialize(argv)
 
 
-def tpu_maxtext(fsdp: int, tensor: int, attention: str, workdir: Path) -> tuple[Any, Any, int]:
+def tpu_maxtext(
+    fsdp: int, tensor: int, overrides: dict[str, Any], workdir: Path
+) -> tuple[Any, Any, int]:
     """MaxText's train step compiled as its `train_compile.main` compiles it.
 
     Returns the compiled program, the traced one's jaxpr (for the FLOPs) and the
@@ -500,7 +527,7 @@ def tpu_maxtext(fsdp: int, tensor: int, attention: str, workdir: Path) -> tuple[
     from maxtext.utils import maxtext_utils, sharding
 
     jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # as train_compile.main
-    config = tpu_maxtext_config(fsdp, tensor, attention, workdir)
+    config = tpu_maxtext_config(fsdp, tensor, overrides, workdir)
     train_compile.validate_config(config)
     mesh = train_compile.get_topology_mesh(config)
     shaped_args, shaped_kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(
@@ -585,39 +612,297 @@ def tpu_redcoast(tensor: int, attention: str = "auto") -> tuple[Any, Any, int]:
     return compiled, traced.jaxpr, int(common["n_params"])
 
 
+# ------------------------------------------------------------------ TPU: a Mixtral for a v5e-8
+
+# Hidden 1024, 8 layers, 16 query heads of 64 over 8 K/V heads, 8 SwiGLU experts of 3584
+# (top 2), vocabulary 32000 (untied head), 2048 tokens, 4 sequences a chip.
+MOE_SIZES = {
+    "D": 1024,
+    "L": 8,
+    "H": 16,
+    "KV": 8,
+    "HD": 64,
+    "F": 3584,
+    "E": 8,
+    "K": 2,
+    "V": 32000,
+    "S": 2048,
+    "PER_CHIP": 4,
+}
+# row -> MaxText's MoE options over its base.yml defaults (`sparse_matmul=true
+# megablox=true`: its Pallas grouped matmul, megablox's `gmm`), or None for redcoast
+MOE_ROWS: dict[str, dict[str, Any] | None] = {
+    "MaxText": {},
+    "MaxText (megablox=false)": {"megablox": False},  # jax.lax.ragged_dot, as redcoast
+    REDCOAST: None,
+}
+
+
+def moe_counts() -> tuple[int, int]:
+    """The Mixtral's parameters, and those a token uses (its 2 of 8 experts)."""
+    z = MOE_SIZES
+    attention = z["D"] * z["H"] * z["HD"] * 2 + z["D"] * z["KV"] * z["HD"] * 2
+    expert = 3 * z["D"] * z["F"]
+    layer = attention + z["D"] * z["E"] + 2 * z["D"]  # router, two norms
+    outside = 2 * z["V"] * z["D"] + z["D"]  # embedding, head, final norm
+    total = outside + z["L"] * (layer + z["E"] * expert)
+    return total, outside + z["L"] * (layer + z["K"] * expert)
+
+
+def moe_reference_flops() -> dict[str, float]:
+    """What a step of the Mixtral must compute at least, on all chips: 6 x active
+    parameters x tokens (the forward, the inputs' and the weights' gradients of the
+    chosen experts alone, no recomputation) plus attention's scores and weighted sum
+    (3 x 4 x S^2 x heads x head_dim a sequence a layer: every block, the causal
+    future's too, as the programs' counts take them); and, for scale, the same with
+    every expert computing every token (`dense`)."""
+    z = MOE_SIZES
+    total, active = moe_counts()
+    tokens = z["PER_CHIP"] * TPU_CHIPS * z["S"]
+    rows = z["PER_CHIP"] * TPU_CHIPS
+    attention = 12.0 * z["L"] * rows * z["S"] ** 2 * z["H"] * z["HD"]
+    return {
+        "active_6nt": 6.0 * active * tokens,
+        "attention": attention,
+        "reference": 6.0 * active * tokens + attention,
+        "dense": 6.0 * total * tokens + attention,
+    }
+
+
+def moe_overrides(options: dict[str, Any]) -> dict[str, Any]:
+    """MaxText's Mixtral (`decoder_block=mixtral`) of `MOE_SIZES`, with `options`."""
+    z = MOE_SIZES
+    return {
+        "decoder_block": "mixtral",
+        "base_emb_dim": z["D"],
+        "base_num_decoder_layers": z["L"],
+        "base_num_query_heads": z["H"],
+        "base_num_kv_heads": z["KV"],
+        "head_dim": z["HD"],
+        "base_mlp_dim": z["F"],
+        "base_moe_mlp_dim": z["F"],  # "for a fully MoE model, base_mlp_dim must be equal"
+        "mlp_activations": '["silu","linear"]',  # as its mixtral-8x7b.yml
+        "num_experts": z["E"],
+        "num_experts_per_tok": z["K"],
+        "vocab_size": z["V"],
+        "max_target_length": z["S"],
+        "per_device_batch_size": z["PER_CHIP"],
+        "rope_max_timescale": 1_000_000,
+        **options,
+    }
+
+
+def tpu_redcoast_moe() -> tuple[Any, Any, int]:
+    """`rc.models.Mixtral` of `MOE_SIZES`, its step as `rc.memory_plan(...,
+    target="v5e-8", precision="bf16", remat="full", fsdp=True)` compiles it: the
+    experts dispatched `"dropless"` (`rc.nn.experts`, `jax.lax.ragged_dot` on TPU)."""
+    from redcoast.models.planning import planned
+    from redcoast.plan._report import Layout
+    from redcoast.plan._step import trace_step
+    from redcoast.plan._targets import target_devices, target_named
+
+    z = MOE_SIZES
+    config = rc.models.MixtralConfig(
+        vocab_size=z["V"],
+        hidden_size=z["D"],
+        intermediate_size=z["F"],
+        num_hidden_layers=z["L"],
+        num_attention_heads=z["H"],
+        num_key_value_heads=z["KV"],
+        head_dim=z["HD"],
+        max_position_embeddings=z["S"],
+        num_local_experts=z["E"],
+        num_experts_per_tok=z["K"],
+        rms_norm_eps=1e-5,
+    )
+    layout = Layout(
+        TPU_CHIPS,
+        n_model_shards=1,
+        fsdp=True,
+        precision="bf16",
+        remat="full",
+        per_device_batch_size=z["PER_CHIP"],
+        seq_len=z["S"],
+    )
+    devices = target_devices(target_named(TPU_TARGET), TPU_CHIPS)
+    traced, common, _ = trace_step(planned(config), layout, None, devices)
+    compiled = traced.lower().compile()
+    return compiled, traced.jaxpr, int(common["n_params"])
+
+
+RAGGED_DOT = ("ragged_dot_general",)
+
+
+def grouped_flops(jaxpr: Any) -> tuple[float, float]:
+    """FLOPs of a jaxpr's grouped matmuls, loops and `shard_map`s counted as
+    `matmul_flops` counts them (which the planner's estimate reads); and the part of
+    them `matmul_flops` counts already. A grouped matmul multiplies each row only by
+    its own group's matrix: 2 x rows x contracted x output features, not num_groups
+    times that as a dense matmul per group would be.
+
+    - `jax.lax.ragged_dot_general` (redcoast's dropless experts on TPU, MaxText's
+      with `megablox=false`): 2 x the ragged operand's elements x the other's free
+      dimensions, as `matmul_flops` counts it too.
+    - megablox's Pallas kernels (`gmm`, `tgmm`; MaxText's default): their grid's
+      row-tile dimension is dynamic (the tiles in use, known at run time), and
+      `matmul_flops` takes it as 1. Counted here as every row tile once: the kernel
+      body's FLOPs x its static grid x `m / tm`, which is the length of its tile-to-
+      group map (its third operand, `m / tm + groups - 1` entries: a tile that
+      straddles two groups is run for each) less `groups - 1` (its second operand,
+      the group offsets, has `groups + 1`). The straddling tiles' second runs are
+      left out, as the ragged kernels' tile padding is.
+    """
+    from redcoast.parallel import _jaxpr
+    from redcoast.train.throughput import matmul_flops
+
+    def subs(value: Any) -> list[Any]:
+        items = value if isinstance(value, tuple | list) else (value,)
+        return [j for j in map(_jaxpr.open_jaxpr, items) if j is not None]
+
+    jaxpr = _jaxpr.open_jaxpr(jaxpr) or jaxpr
+    total = counted = 0.0
+    for eqn in jaxpr.eqns:
+        primitive = _jaxpr.name(eqn)
+        if primitive in _jaxpr.COND:
+            branches = [grouped_flops(b) for b in subs(eqn.params["branches"])]
+            best = max(branches, default=(0.0, 0.0))
+            total, counted = total + best[0], counted + best[1]
+            continue
+        times = 1
+        if primitive in _jaxpr.SCAN:
+            times = int(eqn.params.get("length", 1))
+        elif primitive == "shard_map":
+            times = int(getattr(eqn.params.get("mesh"), "size", 1))
+        elif primitive == "pallas_call":
+            grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
+            static = math.prod(g for g in grid if isinstance(g, int))
+            if len(grid) > sum(isinstance(g, int) for g in grid):  # megablox
+                body = matmul_flops(eqn.params["jaxpr"])[0] * static
+                offsets, tile_groups = (eqn.invars[i].aval.shape[0] for i in (1, 2))
+                total += body * (tile_groups - (offsets - 2))
+                counted += body
+            continue  # other kernels (attention): not grouped
+        for v in eqn.params.values():
+            for j in subs(v):
+                t, c = grouped_flops(j)
+                total, counted = total + times * t, counted + times * c
+        if primitive in RAGGED_DOT:
+            numbers = eqn.params["ragged_dot_dimension_numbers"]
+            (_, contract), (_, batch) = numbers.dot_dimension_numbers
+            lhs = eqn.invars[0].aval.shape
+            rhs = eqn.invars[1].aval.shape
+            bound = {*contract, *batch, *numbers.rhs_group_dimensions}
+            free = math.prod(n for d, n in enumerate(rhs) if d not in bound)
+            total += 2.0 * math.prod(lhs) * free
+            counted += 2.0 * math.prod(lhs) * free
+    return total, counted
+
+
+# The TPU program's ops that say how the experts were computed.
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w-]+?)(?:\.\d+)* = ")  # its name, no suffix
+
+
+def hlo_ops(text: str) -> dict[str, Any]:
+    """What the compiled program computes the experts with (each op of a loop body once).
+
+    XLA:TPU lowers `jax.lax.ragged_dot` to no `ragged-dot` op: a grouped matmul
+    becomes either a Mosaic kernel of its own (a `tpu_custom_call` named
+    `ragged-dot-none`, beside a `ragged-dot-metadata` call that maps the row tiles to
+    their groups) or a `convolution` over every group whose fusion is marked
+    `"is_ragged_dot":true` and skips the iterations outside each group's rows
+    (`ITERATION_SKIPPER_MODE_GROUP_STARTS`). MaxText's megablox is a Pallas kernel.
+    Kernels (`tpu_custom_call`s) are counted by instruction name; also counted:
+    matmuls, sorts, gathers, scatters and collectives.
+    """
+    ops = Counter(m.group(1) for m in _OP.finditer(text))
+    keep = (
+        "ragged-dot",
+        "dot",
+        "convolution",
+        "custom-call",
+        "sort",
+        "gather",
+        "scatter",
+        "all-gather",
+        "all-gather-start",
+        "reduce-scatter",
+        "all-reduce",
+        "all-reduce-start",
+        "all-to-all",
+        "ragged-all-to-all",
+        "while",
+        "fusion",
+    )
+    lines = text.splitlines()
+    kernels = Counter(
+        m.group(1)
+        for line in lines
+        if 'custom_call_target="tpu_custom_call"' in line and (m := _INSTRUCTION.match(line))
+    )
+    grouped_convolutions = sum(
+        1 for line in lines if " convolution(" in line and 'ragged_dot_general"' in line
+    )
+    return {
+        "ops": {k: ops[k] for k in keep if ops.get(k)},
+        "custom_call_targets": dict(Counter(_CUSTOM_CALL.findall(text))),
+        "tpu_kernels": dict(kernels),
+        "ragged_dot_kernels": kernels.get("ragged-dot-none", 0),
+        "ragged_dot_convolutions": grouped_convolutions,
+        "is_ragged_dot_fusions": text.count('"is_ragged_dot":true'),
+        "group_starts_skippers": text.count("ITERATION_SKIPPER_MODE_GROUP_STARTS"),
+    }
+
+
 # What the TPU compiler's `cost_analysis()` says of a whole program (its other entries
 # are per operand and per unit): each loop's body counted once.
 COMPILER_COST = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")
 
 
-def tpu_figures(compiled: Any, jaxpr: Any, n_params: int) -> dict[str, Any]:
-    """Per-chip memory, the compiler's cost figures and the planner's step estimate."""
+def tpu_figures(compiled: Any, jaxpr: Any, n_params: int, *, moe: bool = False) -> dict[str, Any]:
+    """Per-chip memory, the compiler's cost figures and the planner's step estimate.
+
+    With `moe` (the Mixtral): the FLOPs are the traced program's matrix products and
+    its grouped ones, which `matmul_flops` misses (`grouped_flops`: all of a
+    `ragged_dot`'s, most of a megablox kernel's); MFU is of the active parameters
+    (`moe_counts`); and the program's expert ops are counted (`hlo_ops`). The
+    estimate from `matmul_flops` alone, the planner's own count, is kept beside it
+    (`estimate_planner_flops`).
+    """
     from redcoast.plan._hlo import collective_bytes, loop_factor
     from redcoast.plan._step import _cost_analysis
     from redcoast.plan._targets import estimate, target_named
     from redcoast.train.throughput import matmul_flops
 
+    sizes = MOE_SIZES if moe else TPU_SIZES
     text = compiled.as_text() or ""
     memory = compiled.memory_analysis()
     cost = _cost_analysis(compiled)
     args, temp = int(memory.argument_size_in_bytes), int(memory.temp_size_in_bytes)
     out, alias = int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes)
     factor = loop_factor(text)
-    flops = matmul_flops(jaxpr)[0]
+    dots = matmul_flops(jaxpr)[0]
+    grouped, counted = grouped_flops(jaxpr) if moe else (0.0, 0.0)
+    flops = dots + grouped - counted
     moved = float(cost.get("bytes accessed", 0.0)) * factor
     collectives_ = collective_bytes(text)
-    tokens = TPU_SIZES["PER_CHIP"] * TPU_CHIPS * TPU_SIZES["S"]
-    step = estimate(
-        target_named(TPU_TARGET),
-        devices=TPU_CHIPS,
-        flops=flops,
-        bytes_per_device=moved,
-        collective_bytes=collectives_,
-        tokens=tokens,
-        n_params=n_params,
-    )
-    assert step is not None
-    return {
+    tokens = sizes["PER_CHIP"] * TPU_CHIPS * sizes["S"]
+    mfu_params = moe_counts()[1] if moe else n_params
+
+    def estimated(flops: float) -> dict[str, Any]:
+        step = estimate(
+            target_named(TPU_TARGET),
+            devices=TPU_CHIPS,
+            flops=flops,
+            bytes_per_device=moved,
+            collective_bytes=collectives_,
+            tokens=tokens,
+            n_params=mfu_params,
+        )
+        assert step is not None
+        return dataclasses.asdict(step)
+
+    figures = {
         "args_bytes": args,
         "temp_bytes": temp,
         "output_bytes": out,
@@ -629,28 +914,45 @@ def tpu_figures(compiled: Any, jaxpr: Any, n_params: int) -> dict[str, Any]:
         "bytes_per_chip": moved,
         "collective_bytes_per_chip": collectives_,
         "loop_factor": factor,
-        "estimate": dataclasses.asdict(step),
+        "estimate": estimated(flops),
         "compiler_cost": {k: float(cost[k]) for k in COMPILER_COST if k in cost},
         "instructions": len(_OP.findall(text)),
     }
+    if moe:
+        figures.update(
+            active_params=mfu_params,
+            planner_flops_per_chip=dots / TPU_CHIPS,
+            grouped_flops_per_chip=grouped / TPU_CHIPS,
+            estimate_planner_flops=estimated(dots),
+            hlo=hlo_ops(text),
+        )
+    return figures
 
 
-def tpu_row(layout: str, row: str, workdir: Path, hlo_dir: str) -> dict[str, Any]:
+def tpu_row(
+    layout: str, row: str, workdir: Path, hlo_dir: str, moe: bool = False
+) -> dict[str, Any]:
     """Compile one row for the v5e-8 (in this process) and measure it."""
     tpu_environment()
     fsdp, tensor = LAYOUTS[layout]
-    attention = TPU_ROWS[row]
     start = time.perf_counter()
-    if attention is None:
+    if moe:
+        options = MOE_ROWS[row]
+        if options is None:
+            compiled, jaxpr, n_params = tpu_redcoast_moe()
+        else:
+            compiled, jaxpr, n_params = tpu_maxtext(fsdp, tensor, moe_overrides(options), workdir)
+    elif (attention := TPU_ROWS[row]) is None:
         implementation = "blockwise" if row == BLOCKWISE else "auto"
         compiled, jaxpr, n_params = tpu_redcoast(tensor, implementation)
     else:
-        compiled, jaxpr, n_params = tpu_maxtext(fsdp, tensor, attention, workdir)
+        model = tpu_llama_overrides(attention)
+        compiled, jaxpr, n_params = tpu_maxtext(fsdp, tensor, model, workdir)
     seconds = time.perf_counter() - start
-    figures = tpu_figures(compiled, jaxpr, n_params)
+    figures = tpu_figures(compiled, jaxpr, n_params, moe=moe)
     figures["compile_s"] = seconds
     if hlo_dir:
-        name = re.sub(r"\W+", "_", f"tpu_{layout}_{row}").strip("_")
+        name = re.sub(r"\W+", "_", f"tpu_{'moe_' * moe}{layout}_{row}").strip("_")
         path = Path(hlo_dir, f"{name}.hlo.txt")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(compiled.as_text())
@@ -680,6 +982,89 @@ def tpu_table_row(layout: str, row: str, e: dict[str, Any], ref: dict[str, Any])
         f"{c.get('bytes accessed', 0.0) / GB:.1f}, {c.get('optimal_seconds', float('nan')):.3g} "
         f"| {e['compile_s']:.0f} |"
     )
+
+
+MOE_HEADER = (
+    "| row | args GB | temp GB | output GB | peak GB | peak / MaxText's | estimated step ms "
+    "| step / MaxText's | tokens/s | MFU (active) | compute / memory / collectives ms "
+    "| TFLOP per chip (grouped) | / reference | GB moved per chip | grouped matmuls in "
+    "the HLO | compile s |"
+)
+
+
+def grouped_ops(hlo: dict[str, Any]) -> str:
+    """The program's grouped matmuls: XLA's ragged-dot kernels and skipping convolutions,
+    and its Pallas kernels other than attention's (megablox's `gmm` and `tgmm`, some of
+    which the compiler names after their `shard_map`)."""
+    other = sum(n for k, n in hlo["tpu_kernels"].items() if "splash" not in k and "ragged" not in k)
+    return (
+        f"{hlo['ragged_dot_kernels']} ragged-dot kernels, {hlo['ragged_dot_convolutions']} "
+        f"ragged convolutions, {other} other Pallas kernels"
+    )
+
+
+def moe_table_row(row: str, e: dict[str, Any], ref: dict[str, Any]) -> str:
+    step = e["estimate"]
+    reference = moe_reference_flops()["reference"] / TPU_CHIPS
+    return (
+        f"| {row} | {e['args_bytes'] / GB:.2f} | {e['temp_bytes'] / GB:.2f} "
+        f"| {e['output_bytes'] / GB:.2f} | {e['peak_bytes'] / GB:.2f} "
+        f"| {e['peak_bytes'] / ref['peak_bytes']:.2f} | {step['seconds'] * 1e3:,.0f} "
+        f"| {step['seconds'] / ref['estimate']['seconds']:.3f} "
+        f"| {step['tokens_per_second']:,.0f} | {step['mfu']:.0%} "
+        f"| {step['compute'] * 1e3:.0f} / {step['memory'] * 1e3:.0f} / "
+        f"{step['communication'] * 1e3:.0f} | {e['flops_per_chip'] / 1e12:.2f} "
+        f"({e['grouped_flops_per_chip'] / 1e12:.2f}) | {e['flops_per_chip'] / reference:.2f} "
+        f"| {e['bytes_per_chip'] / GB:.1f} | {grouped_ops(e['hlo'])} | {e['compile_s']:.0f} |"
+    )
+
+
+def moe_main(args: argparse.Namespace) -> None:
+    """The Mixtral's rows under FSDP 8, each compiled in a process of its own."""
+    import maxtext
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise SystemExit("--tpu compiles with libtpu: pip install 'jax[tpu]' (nox installs it)")
+    total, active = moe_counts()
+    flops = moe_reference_flops()
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "target": TPU_TARGET,
+        "model": MOE_SIZES,
+        "n_params": total,
+        "active_params": active,
+        "reference_flops": flops,
+        "jax": jax.__version__,
+        "libtpu": importlib.metadata.version("libtpu"),
+        "maxtext": getattr(maxtext, "__version__", "0.2.5"),
+        "load_before": os.getloadavg(),
+        "rows": {},
+    }
+    print(
+        f"Mixtral of {total:,} parameters, {active:,} active; per chip: 6 x active x tokens "
+        f"{flops['active_6nt'] / TPU_CHIPS / 1e12:.2f} TFLOP + attention "
+        f"{flops['attention'] / TPU_CHIPS / 1e12:.2f} = reference "
+        f"{flops['reference'] / TPU_CHIPS / 1e12:.2f} TFLOP (every expert on every token: "
+        f"{flops['dense'] / TPU_CHIPS / 1e12:.2f})"
+    )
+    print(MOE_HEADER)
+    print("|---" * (MOE_HEADER.count("|") - 1) + "|", flush=True)
+    rows = list(MOE_ROWS) if not args.rows else args.rows.split(",")
+    entries: dict[str, Any] = results["rows"]
+    for row in rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp, "row.json")
+            command = [sys.executable, __file__, "--moe", "--tpu-row", f"fsdp8:{row}"]
+            command += ["--out", str(out), "--workdir", args.workdir]
+            command += ["--hlo-dir", args.hlo_dir] if args.hlo_dir else []
+            subprocess.run(command, check=True)
+            entries[row] = json.loads(out.read_text())
+        ref = entries.get("MaxText", entries[row])
+        print(moe_table_row(row, entries[row], ref), flush=True)
+    for row, e in entries.items():
+        print(f"{row}: {e['n_params']:,} parameters; HLO {e['hlo']}")
+    print(f"jax {results['jax']}, libtpu {results['libtpu']}, MaxText {results['maxtext']}")
+    write_results(results, args.out)
 
 
 def write_results(results: dict[str, Any], path: str) -> None:
@@ -778,18 +1163,34 @@ def main() -> None:
         help="compile both steps of a 953M LLaMA for a TPU v5e-8 (libtpu) and compare "
         "their memory and estimated step time; writes bench-results/bench_maxtext_tpu.json",
     )
-    parser.add_argument("--rows", default="", help="with --tpu: " + ", ".join(TPU_ROWS))
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="with --tpu: a Mixtral (8 experts, top 2) instead, under FSDP 8; writes "
+        "bench-results/bench_maxtext_tpu_moe.json",
+    )
+    parser.add_argument(
+        "--rows",
+        default="",
+        help="with --tpu, comma-separated: "
+        + "; ".join(TPU_ROWS)
+        + " (with --moe: "
+        + "; ".join(MOE_ROWS)
+        + ")",
+    )
     parser.add_argument("--tpu-row", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tpu_row:
         layout, row = args.tpu_row.split(":", 1)
-        figures = tpu_row(layout, row, Path(args.workdir), args.hlo_dir)
+        figures = tpu_row(layout, row, Path(args.workdir), args.hlo_dir, moe=args.moe)
         Path(args.out).write_text(json.dumps(figures, indent=2))
         return
+    if args.moe and not args.tpu:
+        parser.error("--moe compiles for the TPU: give --tpu too")
     if args.tpu:
         if args.out == parser.get_default("out"):
-            args.out = "bench-results/bench_maxtext_tpu.json"
-        tpu_main(args)
+            args.out = f"bench-results/bench_maxtext_tpu{'_moe' * args.moe}.json"
+        (moe_main if args.moe else tpu_main)(args)
         return
 
     import maxtext

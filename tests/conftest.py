@@ -79,6 +79,7 @@ LATER = {
         "full-2x4-1",
         "full-1-8x1",
         "lora-1-4x2",
+        "accumulate-4x2-1",
     ],
     "test_resume.py::test_sigkill_then_resume_equals_straight_run": ["9-8"],
     "test_attention.py::test_blockwise_equals_the_einsum_values_and_gradients": [
@@ -105,10 +106,22 @@ LATER = {
     "test_seq2seq.py::test_remat_and_fsdp_give_the_plain_steps_numbers": ["loop"],
     "test_seq2seq.py::test_sharded_train_step_equals_unsharded": ["bart"],
     "test_plan.py::test_the_planners_peak_is_the_real_compiled_steps": ["tp"],
+    # Qwen3-MoE's experts (more, narrower, three a token, weights as drawn) run in the
+    # slow session; Mixtral's, the same dispatch, here.
     "test_families.py::test_a_sharded_train_step_equals_one_device": [
         "mixtral-tp",
+        "mixtral-tp-fsdp",
         "gemma3-tp-fsdp",
     ],
+    "test_families.py::test_greedy_generation_equals_transformers": ["mixtral"],
+    "test_families.py::test_scanned_layers_equal_transformers_and_write_back": ["mixtral"],
+    "test_families.py::test_moe_loss_with_the_balancing_term_equals_transformers": ["mixtral"],
+    "test_families.py::test_a_peft_adapter_round_trips_with_its_logits": ["qwen3_moe"],
+    "test_moe.py::test_only_the_chosen_experts_compute_the_every_expert_numbers": ["mixtral"],
+    "test_moe.py::test_experts_split_over_devices_equal_one_device": ["within-experts"],
+    "test_deepseek.py::test_greedy_generation_equals_transformers": ["False"],
+    "test_rl.py::test_a_sharded_run_equals_one_device": ["lora"],
+    "test_plan_targets.py::test_the_tpu_compiler_plans_a_grpo_step_with_lora": [],
     "test_rules.py::test_sharded_equals_unsharded": ["dit", "bert"],
     "test_context_zoo.py::test_the_step_equals_one_device_beside_every_other_split": [
         "gpt2-cp8-accumulate",
@@ -126,6 +139,7 @@ LATER = {
     "test_examples.py::test_finetune_hands_back_a_folder_transformers_generates_from": [
         "text",
         "jsonl",
+        "qlora",
     ],
     "test_any_model.py::test_the_planner_plans_it": ["how1", "how2"],
     "test_bench_peer.py::test_flax_free_rows_train": [],
@@ -320,6 +334,10 @@ ONCE = (
     "test_precision.py::test_remat_on_a_users_function_and_bad_names",
     "test_seq2seq.py::test_beam_search_equals_transformers",
     "test_step.py::test_updates_per_batch_are_that_many_steps_on_the_batch",
+    "test_moe.py::test_routers_choose_what_transformers_routers_choose",
+    "test_moe.py::test_the_ragged_grouped_matmul_is_the_blocked_one",
+    "test_moe.py::test_only_the_chosen_experts_compute_the_every_expert_numbers",
+    "test_moe.py::test_the_planner_counts_each_routing_once_in_a_ragged_dot",
 )
 
 
