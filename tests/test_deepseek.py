@@ -350,3 +350,61 @@ def test_a_sharded_train_step_equals_one_device() -> None:
         return drawn(cls, config, scan_layers=True)
 
     assert_same(steps(make(), rc.make_mesh(2), fsdp=True), steps(make()))
+
+
+ROWS = np.random.default_rng(1).integers(2, VOCAB, (8, 12)).astype(np.int32)
+
+
+@pytest.mark.parametrize(
+    ("name", "scan_layers"), [("mla", False), ("mla", True), ("q_proj", False)]
+)
+def test_the_rules_split_latent_attention_as_megatron_based_mla(
+    name: str, scan_layers: bool
+) -> None:
+    """Found from the dataflow, not the names: the low-rank `q_a_proj` and
+    `kv_a_proj_with_mqa` (normed whole) replicated, `q_b_proj` / `q_proj` and `kv_b_proj`,
+    reshaped into the heads attention reads, split on dim 0 by whole heads, `o_proj` on
+    dim 1, the routed experts on their expert axis: Megatron-based MLA's layout (MaxText,
+    vLLM, SGLang), and the compiled gradient step moves the model-axis bytes of that
+    hand layout."""
+    from test_families import layout
+    from test_sharding import model_axis_traffic
+    from tiny import drawn, megatron_specs
+
+    config = rc.models.DeepseekV3Config.from_dict(hf_config(name).to_dict())
+    model = drawn(rc.models.DeepseekV3, config, scan_layers=scan_layers)
+    ids = jnp.asarray(ROWS)
+    for n in (2, 4):
+        plan = rc.sharding_plan(model, n, example_call=lambda m: jax.vmap(m)(ids))
+        got = layout(model, plan.specs)
+        stacks = ("blocks", "moe_blocks")
+        layers = (
+            [f"{s}." for s in stacks]
+            if scan_layers
+            else [f"blocks.{i}." for i in range(config.dense_layers)]
+            + [f"moe_blocks.{i}." for i in range(config.num_hidden_layers - config.dense_layers)]
+        )
+        for at in layers:
+            lead = (None,) if scan_layers else ()
+            whole, column, row = (*lead, None, None), (*lead, "model", None), (*lead, None, "model")
+            attn = at + "attn."
+            if config.q_lora_rank is None:
+                assert got[attn + "q_proj.weight"] == column
+            else:
+                assert got[attn + "q_a_proj.weight"] == whole
+                assert got[attn + "q_a_layernorm.weight"] == whole[1:]
+                assert got[attn + "q_b_proj.weight"] == column
+            assert got[attn + "kv_a_proj_with_mqa.weight"] == whole
+            assert got[attn + "kv_a_layernorm.weight"] == whole[1:]
+            assert got[attn + "kv_b_proj.weight"] == column
+            assert got[attn + "o_proj.weight"] == row
+            if at.startswith("moe_blocks"):
+                for w in ("w1", "w2", "w3"):
+                    assert got[at + "mlp." + w] == (*lead, "model", None, None)
+        want = layout(model, megatron_specs(model, n))
+        assert got == want, {p: (got[p], want[p]) for p in got if got[p] != want[p]}
+    if scan_layers:
+        return
+    ours = model_axis_traffic(model, plan.specs, 2, ids)
+    hand = model_axis_traffic(model, megatron_specs(model, 2), 2, ids)
+    assert ours["bytes"] == hand["bytes"], (ours, hand)

@@ -232,6 +232,8 @@ _COLUMN = (
     "key_proj",
     "value_proj",
     "q_proj",
+    "q_b_proj",  # MLA's up-projections to every head's query, and key and value
+    "kv_b_proj",
     "k_proj",
     "v_proj",
     "fc_in",
@@ -275,6 +277,9 @@ def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
     shards are replicated (Megatron's grouped-query attention with fewer groups than
     shards); stacked experts split whole over the shards (expert parallelism, Megatron's
     MoE layout), or within each expert when their number does not divide the shards.
+    Multi-head latent attention (DeepSeek's MLA) as Megatron-based MLA splits it: the
+    low-rank `q_a_proj` and `kv_a_proj_with_mqa` replicated (their whole outputs are
+    normed), `q_b_proj` and `kv_b_proj` column-parallel by whole heads, `o_proj` row.
     Stacked layers (scanned) keep the layout on their trailing axes; a LoRA layer's
     base splits as the layer, its adapters as `_lora_spec` says. `DeepMLP`
     alternates column, row, column, ... Covers the tiny models and the decoder zoo;
@@ -285,7 +290,7 @@ def megatron_specs(model: eqx.Module, n_model_shards: int) -> PyTree:
     if attn is not None:
         q = attn.num_heads  # pyright: ignore[reportAttributeAccessIssue]
         kv = getattr(attn, "num_kv_heads", None) or q
-        heads = {"q_proj": q, "query_proj": q}
+        heads = {"q_proj": q, "query_proj": q, "q_b_proj": q, "kv_b_proj": q}
         heads.update({name: kv for name in ("k_proj", "v_proj", "key_proj", "value_proj")})
 
     def spec(path: tuple, leaf: Array) -> P:

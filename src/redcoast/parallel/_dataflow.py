@@ -127,8 +127,9 @@ def _shape(atom: Any) -> tuple[int, ...]:
 class _Walk:
     """One walk over a jaxpr; `RULES` are called with it to record what they see."""
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: list[tuple[int, ...]] | None = None) -> None:
         self.flow = Dataflow()
+        self.shapes = shapes or []
 
     def jaxpr(self, jaxpr: Any, ins: list[Value], consts: list[Value]) -> list[Value]:
         env: dict[Any, Value] = {}
@@ -316,7 +317,11 @@ def _feat(
             group = reshape_groups(src, dst, a)
             if use and leaf_axis in use.out_axes and group and group[1] - group[0] > 1:
                 # The reshape that splits a matmul's output features reads its heads.
-                walk.flow.heads.setdefault(leaf, math.prod(dst[group[0] : group[1] - 1]))
+                count = math.prod(dst[group[0] : group[1] - 1])
+                walk.flow.heads.setdefault(leaf, count)
+                if src[a] == walk.shapes[leaf][leaf_axis] and 1 < count < src[a]:
+                    # All of them, not a slice (MLA's shared rotated key part).
+                    walk.flow.whole_heads.setdefault(leaf, count)
     return leaf, _remap(axes, axis_map(eqn, src, dst), len(dst))
 
 
@@ -392,6 +397,8 @@ def _activation_dot(walk: _Walk, lhs: Value, rhs: Value, contract: tuple) -> Val
     experts' outputs -- that matmul selects among branches: a gate.
     """
     taint = lhs.taint | rhs.taint
+    if lhs.taint and rhs.taint:
+        walk.flow.attended |= taint
     sides = ((lhs, contract[0], rhs, contract[1]), (rhs, contract[1], lhs, contract[0]))
     for a, ac, b, bc in sides:
         if a.feat is None or not a.taint:
@@ -551,7 +558,7 @@ def trace_dataflow(example_call: Callable[[Any], Any], model: Any) -> Dataflow:
             "example_call must run the model on an example input, e.g. "
             "`example_call=lambda m: jax.vmap(m)(x)` or `lambda m: loss_fn(m, batch, key)`."
         ) from err
-    walk = _Walk()
+    walk = _Walk([tuple(leaf.shape) for leaf in leaves])
     flow = walk.flow
     jaxpr = _jaxpr.open_jaxpr(closed)
     if jaxpr is None:  # nothing to walk: everything is replicated, and the plan says why

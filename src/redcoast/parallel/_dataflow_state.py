@@ -82,6 +82,8 @@ class Dataflow:
 
     uses: matmul weights and how they are used, in `order` of first use.
     heads: leaf -> number of heads its output is reshaped into.
+    whole_heads: those of `heads` whose whole output features are so reshaped, not
+        only a slice of them.
     lookups: leaf -> {whether the indices of a gather from it depend on data}.
     looked_up: leaf -> elements gathered from it by data (for cost estimates).
     gates: matmul weights whose outputs only scale, shift or select other values
@@ -96,12 +98,15 @@ class Dataflow:
     gated: matmuls seen passing through a gate somewhere (`gates` is those of them
         whose outputs never reach a matmul's input or the result otherwise).
     reaching: matmuls whose outputs reach some matmul's input or the result.
+    attended: matmuls whose outputs reach a product of two activations that both
+        carry matmul outputs (attention's scores and weighted values), no matmul between.
     stacked: leaf -> its axes a loop iterates over (the layer axis of scanned layers).
     """
 
     uses: dict[int, Use] = dataclasses.field(default_factory=dict)
     order: list[int] = dataclasses.field(default_factory=list)
     heads: dict[int, int] = dataclasses.field(default_factory=dict)
+    whole_heads: dict[int, int] = dataclasses.field(default_factory=dict)
     lookups: dict[int, set[bool]] = dataclasses.field(default_factory=dict)
     looked_up: dict[int, int] = dataclasses.field(default_factory=dict)
     gates: set[int] = dataclasses.field(default_factory=set)
@@ -111,4 +116,5 @@ class Dataflow:
     touched: dict[int, str] = dataclasses.field(default_factory=dict)
     gated: set[int] = dataclasses.field(default_factory=set)
     reaching: set[int] = dataclasses.field(default_factory=set)
+    attended: set[int] = dataclasses.field(default_factory=set)
     stacked: dict[int, set[int]] = dataclasses.field(default_factory=dict)

@@ -225,8 +225,9 @@ def _matmul_decision(
             REP,
             None,
             f"its output feeds {fed}, which splits by heads and reads it whole (a "
-            "projection into attention, such as an encoder-decoder's enc_to_dec_proj): "
-            "replicated, as Megatron-LM keeps the residual stream whole",
+            "projection into attention, such as an encoder-decoder's enc_to_dec_proj or "
+            "MLA's low-rank q_a_proj and kv_a_proj_with_mqa): replicated, as Megatron-LM "
+            "keeps the residual stream whole",
         )
     else:
         want = COL
@@ -235,6 +236,8 @@ def _matmul_decision(
             if sources
             else "first matmul on its input"
         )
+        if info.role.get(paths[leaf]) is None and _makes_heads(leaf, flow, info, paths):
+            why += "; its output is reshaped into the heads attention reads"
     expert = _expert_axis(use)
     outs = [a for a in use.out_axes if a != expert]
     ins = [a for a in use.in_axes if a != expert]
@@ -251,13 +254,22 @@ def _matmul_decision(
     )
 
 
+def _makes_heads(leaf: int, flow: Dataflow, info: ModelInfo, paths: list[str]) -> bool:
+    """Whether `leaf` is an attention Q, K or V: named so in an attention module, or,
+    whatever its name, a matmul whose whole output is reshaped into heads that enter
+    attention (a product of two matmuls' outputs): MLA's `q_b_proj` and `kv_b_proj`."""
+    if info.role.get(paths[leaf]) in ("q", "k", "v"):
+        return True
+    return leaf in flow.whole_heads and leaf in flow.attended
+
+
 def _feeds_heads(leaf: int, flow: Dataflow, info: ModelInfo, paths: list[str]) -> str | None:
     """The path of an attention Q, K or V that reads `leaf`'s output, when `leaf` is
     not itself one of attention's projections; else `None`."""
-    if info.role.get(paths[leaf]) is not None:
+    if info.role.get(paths[leaf]) is not None or _makes_heads(leaf, flow, info, paths):
         return None
     for other in flow.order:
-        if info.role.get(paths[other]) in ("q", "k", "v") and leaf in flow.uses[other].taint:
+        if leaf in flow.uses[other].taint and _makes_heads(other, flow, info, paths):
             return paths[other]
     return None
 
