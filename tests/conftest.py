@@ -254,7 +254,7 @@ SLOW = {
     "test_fit.py::test_lr_in_metrics_jsonl_follows_the_schedule_at_optimizer_steps": [],
     "test_fit.py::test_eval_every_and_final_evaluation": [],
     "test_rl.py::test_a_sharded_run_equals_one_device": ["tp-fsdp", "lora"],
-    "test_sampling.py::test_sampling_on_a_mesh_draws_what_one_device_draws": ["2-False"],
+    "test_sampling.py::test_sampling_on_a_mesh_draws_what_one_device_draws": ["2-False", "4-True"],
     "test_sampling.py::test_samples_follow_the_filtered_distribution": [],
     "test_plan.py::test_a_grpo_plans_train_step_is_the_real_rl_step": [],
     "test_plan.py::test_the_sampling_plan_holds_the_key_value_cache_and_decodes_step_by_step": [],
@@ -268,6 +268,15 @@ SLOW = {
     "test_fit.py::test_digits_mlp_reaches_95_percent_through_fit_and_predict": [],
     "test_resume.py::test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly": [],
     "test_moe.py::test_a_router_sending_everything_to_two_experts_runs_and_the_metrics_say_so": [],
+    "test_chunked_logits.py::test_the_loss_in_chunks_equals_the_loss_on_the_whole_logits": [
+        "gemma2-padded",
+        "llama",
+    ],
+    "test_chunked_logits.py::test_the_planner_counts_the_chunks_and_they_hold_a_fraction_of_"
+    "the_logits": [],
+    "test_text.py::test_lm_loss_counts_only_the_masked_tokens": [],
+    "test_sampling.py::test_a_prompts_samples_share_its_prefill_and_draw_as_separate_rows": [],
+    "test_sampling.py::test_finished_rows_stop_costing_steps_and_draw_what_they_would_have": [],
     "test_moe.py::test_experts_split_over_devices_equal_one_device": ["experts"],
     "test_moe.py::test_only_the_chosen_experts_compute_the_every_expert_numbers": [
         "mixtral",
