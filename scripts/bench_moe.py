@@ -52,7 +52,7 @@ import numpy as np
 
 import redcoast as rc
 from redcoast.models import Router, SparseMoE
-from redcoast.nn._experts import _block_size
+from redcoast.nn._grouped import block_size
 
 ROWS, TOKENS = 2, 1024
 DISPATCHES: dict[str, Any] = {"dense": "dense", "dropless": "dropless", "capacity 1.25": 1.25}
@@ -137,7 +137,7 @@ def _flops_ratio(moe: SparseMoE, x: jax.Array, dispatch: Any) -> float:
     if dispatch == "dense":
         return n / k
     if dispatch == "dropless":
-        block = _block_size(TOKENS * k, n)
+        block = block_size(routings, n)  # the batch's rows are dispatched together
         sizes = np.bincount(np.asarray(chosen).ravel(), minlength=n)
         return float(sum(math.ceil(s / block) * block for s in sizes)) / routings
     capacity = max(1, math.ceil(dispatch * TOKENS * k / n))

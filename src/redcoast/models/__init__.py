@@ -24,7 +24,6 @@ from .decoder import Decoder as Decoder
 from .decoder import DecoderConfig as DecoderConfig
 from .deepseek import DeepseekV3 as DeepseekV3
 from .deepseek import DeepseekV3Config as DeepseekV3Config
-from .deepseek import MLAttention as MLAttention
 from .dit import DiT as DiT
 from .dit import DiTConfig as DiTConfig
 from .dit import ddim_sample as ddim_sample
@@ -58,6 +57,7 @@ from .mistral import Mistral as Mistral
 from .mistral import MistralConfig as MistralConfig
 from .mistral import Mixtral as Mixtral
 from .mistral import MixtralConfig as MixtralConfig
+from .mla import MLAttention as MLAttention
 from .moe import Router as Router
 from .moe import SparseMoE as SparseMoE
 from .moe import load_balancing_loss as load_balancing_loss
