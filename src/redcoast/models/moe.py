@@ -27,7 +27,6 @@ capacity drops.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -132,6 +131,13 @@ class Router:
         return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
+class Dispatching(eqx.Module):
+    """How a `SparseMoE` dispatches (`rc.nn.experts`' `dispatch`): a field of its own,
+    holding no array, so that `eqx.tree_at` can swap it (`with_dispatch`)."""
+
+    dispatch: str | float = eqx.field(static=True)
+
+
 class SparseMoE(eqx.Module):
     """Top-k routing over SwiGLU experts stacked on an expert axis.
 
@@ -148,7 +154,7 @@ class SparseMoE(eqx.Module):
         top_k: experts per token (`num_experts_per_tok`).
         router: how the experts are chosen.
         activation: of the gate projection (SiLU).
-        dispatch: `rc.nn.experts`' dispatch: `"dropless"` (only the chosen experts
+        how: `rc.nn.experts`' dispatch (`dispatch`): `"dropless"` (only the chosen experts
             compute), `"dense"` (every expert every token) or a capacity factor.
 
     Example:
@@ -167,7 +173,7 @@ class SparseMoE(eqx.Module):
     top_k: int = eqx.field(static=True)
     router: Router = eqx.field(static=True)
     activation: Callable[[Array], Array] = eqx.field(static=True)
-    dispatch: str | float = eqx.field(static=True)
+    how: Dispatching
 
     def __init__(
         self,
@@ -204,7 +210,12 @@ class SparseMoE(eqx.Module):
         self.top_k = top_k
         self.router = router
         self.activation = activation
-        self.dispatch = dispatch
+        self.how = Dispatching(dispatch)
+
+    @property
+    def dispatch(self) -> str | float:
+        """`rc.nn.experts`' dispatch (see `with_dispatch` to change it)."""
+        return self.how.dispatch
 
     def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
         """The mixture's output for every token."""
@@ -273,13 +284,12 @@ def with_dispatch(model: Any, dispatch: str | float) -> Any:
     """
     _check_dispatch(dispatch)
 
-    def swap(leaf: Any) -> Any:
-        if isinstance(leaf, SparseMoE):
-            leaf = copy.copy(leaf)
-            object.__setattr__(leaf, "dispatch", dispatch)  # a static field: not a leaf
-        return leaf
+    def mixtures(tree: Any) -> list[Dispatching]:
+        leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, SparseMoE))
+        return [leaf.how for leaf in leaves if isinstance(leaf, SparseMoE)]
 
-    return jax.tree.map(swap, model, is_leaf=lambda x: isinstance(x, SparseMoE))
+    n = len(mixtures(model))
+    return eqx.tree_at(mixtures, model, [Dispatching(dispatch)] * n) if n else model
 
 
 def load_balancing_loss(
