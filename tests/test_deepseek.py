@@ -30,6 +30,8 @@ import redcoast as rc
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_families import hf_greedy, torch_logits  # noqa: E402  (after the skips: needs torch)
+
 VOCAB = 128
 IDS = np.random.default_rng(0).integers(2, VOCAB, (2, 12)).astype(np.int32)
 YARN = {
@@ -115,11 +117,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def torch_logits(model: Any, ids: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
-
-
 @eqx.filter_jit
 def forward(model: Any, ids: jax.Array, **options: jax.Array) -> jax.Array:
     return jax.vmap(lambda ids, options: model(ids, **options))(ids, options)
@@ -186,21 +183,6 @@ def test_packed_documents_equal_separate_calls(checkpoints) -> None:
     np.testing.assert_allclose(np.asarray(packed[:, :6]), np.asarray(alone), atol=1e-5)
     np.testing.assert_allclose(np.asarray(packed[:, 6:]), np.asarray(alone[::-1]), atol=1e-5)
     assert np.abs(np.asarray(packed[:, 6:] - forward(model, rows)[:, 6:])).max() > 1e-2
-
-
-def hf_greedy(hf_model: Any, prompt: np.ndarray, n: int, eos: int) -> list[int]:
-    ids = torch.tensor(prompt[None], dtype=torch.long)
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=eos,
-            pad_token_id=eos,
-        )
-    new = out[0, len(prompt) :].tolist()
-    return new + [eos] * (n - len(new))
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
