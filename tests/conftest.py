@@ -268,6 +268,7 @@ SLOW = {
     "test_fit.py::test_digits_mlp_reaches_95_percent_through_fit_and_predict": [],
     "test_resume.py::test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly": [],
     "test_moe.py::test_a_router_sending_everything_to_two_experts_runs_and_the_metrics_say_so": [],
+    "test_moe.py::test_the_router_z_loss_is_st_moes_and_moe_lm_loss_adds_it": [],
     "test_chunked_logits.py::test_the_loss_in_chunks_equals_the_loss_on_the_whole_logits": [
         "gemma2-padded",
         "llama",

@@ -292,3 +292,18 @@ def test_the_planner_counts_each_routing_once_in_a_ragged_dot() -> None:
     chosen = 18 * HIDDEN * FFN * routings  # three matmuls, forward and backward
     router = 6 * HIDDEN * n * ROWS * TOKENS
     assert flops == chosen + router
+
+
+def test_the_router_z_loss_is_st_moes_and_moe_lm_loss_adds_it() -> None:
+    logits = jax.random.normal(jax.random.key(5), (2, 3, TOKENS, 4))
+    mask = jnp.arange(TOKENS) < 9
+    want = np.mean(np.asarray(jax.nn.logsumexp(logits, -1))[..., :9] ** 2)
+    got = rc.models.router_z_loss(logits, mask)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    model = tiny_mixtral()
+    batch = {"input_ids": jax.random.randint(jax.random.key(6), (2, TOKENS), 0, 64)}
+    batch["attention_mask"] = jnp.ones((2, TOKENS), bool).at[1, 9:].set(False)
+    moe_lm_loss = eqx.filter_jit(rc.models.moe_lm_loss)
+    plain, _ = moe_lm_loss(model, batch)
+    with_z, metrics = moe_lm_loss(model, batch, router_z_loss_coef=0.1)
+    np.testing.assert_allclose(with_z - plain, 0.1 * metrics["z_loss"], rtol=1e-5)

@@ -334,7 +334,7 @@ def load_balancing_loss(
 
 def router_z_loss(
     router_logits: Float[ArrayLike, "*tokens experts"],
-    mask: Bool[ArrayLike, "*tokens"] | None = None,
+    mask: Bool[ArrayLike, "..."] | None = None,
 ) -> Float[Array, ""]:
     """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): the mean over tokens (and
     layers) of `logsumexp(router_logits)^2`, which keeps the logits small.
