@@ -125,7 +125,7 @@ def _shared(session: nox.Session, what: str, extras: str) -> tuple[Path, dict[st
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
-    _install(session, "redcoast with its test and hf extras", "-e", ".[test,hf]")
+    _install(session, "redcoast with its test, hf and eval extras", "-e", ".[test,hf,eval]")
     session.run("pytest", *WORKERS, *FAST, *session.posargs, env=FAST_COMPILE)
 
 
@@ -140,7 +140,7 @@ def jax_matrix(session: nox.Session, jax: str) -> None:
     that compare the zoo with `transformers` (`pytest.importorskip("torch")`) are
     skipped there and run in the 3.11 session.
     """
-    extras = "test,hf" if session.python in HF_PYTHONS else "test"
+    extras = "test,hf,eval" if session.python in HF_PYTHONS else "test"
     what = f"redcoast[{extras}] with JAX {jax} on Python {session.python}"
     _install(session, what, "-e", f".[{extras}]", f"jax=={jax}", f"jaxlib=={jax}")
     # The newest pair leaves out the longest fast tests, which `tests` runs (`ONCE`).
@@ -153,7 +153,7 @@ def slow(session: nox.Session) -> None:
     """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI,
     and plans compiled by the TPU compiler (the `tpu` extra)."""
     bin_dir, env = _shared(
-        session, "the examples' packages and the TPU compiler", "test,examples,hf,tpu"
+        session, "the examples' packages and the TPU compiler", "test,examples,hf,tpu,eval"
     )
     session.run(
         str(bin_dir / "pytest"),

@@ -64,6 +64,17 @@ from .train.trainable import Trainable as Trainable
 from .train.trainable import trainable_mask as trainable_mask
 from .train.workdir import WorkdirInUseError as WorkdirInUseError
 
+
+def __getattr__(name: str) -> object:
+    """`rc.eval` (the LM Evaluation Harness on redcoast's model), imported on first use:
+    it needs the `eval` extra, which `import redcoast` does not."""
+    if name == "eval":
+        import importlib
+
+        return importlib.import_module(".eval", __name__)
+    raise AttributeError(f"module 'redcoast' has no attribute {name!r}")
+
+
 try:
     __version__ = _metadata.version("redcoast")
 except _metadata.PackageNotFoundError:  # running from a source tree without installation

@@ -1,8 +1,7 @@
-"""The `redcoast` command: the demo, example runs, and sharding plans."""
+"""The `redcoast` command: the demo, example runs, sharding plans and evaluation."""
 
 import json
 import os
-import re
 import shlex
 import sys
 import time
@@ -13,39 +12,15 @@ from typing import Any, Literal
 import click
 
 from . import __version__, _examples
+from ._cli_shared import DEVICES_OPTION as _DEVICES_OPTION
+from ._cli_shared import devices as _DEVICES
+from ._cli_shared import shards as _SHARDS
+from ._cli_shared import simulate_devices as _simulate_devices
+from ._eval_command import evaluate as _evaluate
 from ._progress import heartbeat, while_silent
 from .plan._targets import TARGETS
 from .plan.planner import PRECISIONS, PREFERENCES, RANKINGS, REMATS, RL_ALGORITHMS
 from .train.workdir import WorkdirInUseError
-
-# `--devices` of the commands that train on simulated devices.
-_DEVICES_OPTION: dict[str, Any] = {
-    "type": click.IntRange(min=1),
-    "default": None,
-    "help": "Simulated CPU devices of this process  [default: the count XLA_FLAGS forces "
-    "(`redcoast launch --devices-per-proc` sets it), else 8]",
-}
-
-
-def _simulate_devices(n: int | None) -> None:
-    """Ask for `n` simulated CPU devices (by default the count XLA_FLAGS forces, which
-    `redcoast launch` sets for each of its processes, else 8); only possible before
-    JAX's backend starts.
-
-    Asking again for the number the running backend already has is fine (tests run
-    the command in a process whose backend has started).
-    """
-    from .distributed._simulated import simulate_devices
-
-    if n is None:
-        forced = re.search(
-            r"xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
-        )
-        n = int(forced.group(1)) if forced else 8
-    try:
-        simulate_devices(n)
-    except RuntimeError as err:
-        raise click.ClickException(str(err)) from err
 
 
 def _fresh_folder(parent: Path) -> str:
@@ -161,17 +136,6 @@ class _Examples(click.Group):
             formatter.write_dl(rows)
 
 
-# Options the demo and `redcoast pretrained` share.
-_DEVICES = click.option("--devices", **_DEVICES_OPTION)
-_SHARDS = click.option(
-    "--n-model-shards",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Tensor-parallel shards.",
-)
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="redcoast")
 def main() -> None:
@@ -180,7 +144,7 @@ def main() -> None:
 
 @main.command()
 @_DEVICES
-@_SHARDS
+@_SHARDS(2)
 @click.option(
     "--max-steps",
     type=click.IntRange(min=1),
@@ -238,7 +202,7 @@ def demo(
     help="Optimizer steps of pretraining.",
 )
 @_DEVICES
-@_SHARDS
+@_SHARDS(2)
 def pretrained(folder: str, steps: int, devices: int | None, n_model_shards: int) -> None:
     """Make a small pretrained GPT-2 and its tokenizer in FOLDER (checkpoints/gpt2), offline.
 
@@ -558,6 +522,9 @@ def launch(
         verbose=verbose,
     )
     sys.exit(128 - code if code < 0 else code)
+
+
+main.add_command(_evaluate, "eval")
 
 
 if __name__ == "__main__":
