@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from click.testing import CliRunner
 from tiny_checkpoint import tiny_gpt2
@@ -35,11 +36,13 @@ def model(folder):
 
 def _requests(rng, n, vocab=400):
     """`n` (context, continuation) pairs of 1-40 and 1-30 tokens, some longer than the
-    model's context."""
+    model's context, every third continuing the context of the one before (as a
+    question's choices do)."""
     out = []
     for i in range(n):
-        context = rng.integers(0, vocab, int(rng.integers(1, 41)) + 40 * (i % 4 == 0))
-        out.append((context.tolist(), rng.integers(0, vocab, int(rng.integers(1, 31))).tolist()))
+        context = rng.integers(0, vocab, int(rng.integers(1, 41)) + 40 * (i % 4 == 0)).tolist()
+        context = out[-1][0] if i % 3 == 2 else context
+        out.append((context, rng.integers(0, vocab, int(rng.integers(1, 31))).tolist()))
     return out
 
 
@@ -177,3 +180,31 @@ def test_scores_equal_the_hf_backend(folder):
     assert any(
         len(s["doc"]["context"]) > 4 * POSITIONS for s in ours["samples"]["redcoast_stdlib_choice"]
     )
+
+
+def test_fit_scores_the_harness_tasks_on_the_live_model_beside_the_loss(folder, model, tmp_path):
+    rows = [{"input_ids": np.arange(i, i + 32) % 400} for i in range(16)]
+    score = rce.harness_metrics(str(folder), ["redcoast_stdlib_choice"], limit=4)
+    evaluation = rc.Evaluation(
+        model_fn=score, every=2, save_best=("redcoast_stdlib_choice/acc", "max")
+    )
+    result = rc.fit(
+        model,
+        optax.sgd(1e-2),
+        rows,
+        collate_fn=rc.text.collate,
+        loss_fn=rc.models.lm_loss,
+        mesh=rc.make_mesh(2),
+        per_device_batch_size=1,
+        max_steps=2,
+        evaluation=evaluation,
+        workdir=str(tmp_path / "run"),
+        progress=False,
+    )
+    (record,) = result.history["eval"]
+    assert record["step"] == 2
+    assert 0.0 <= record["eval_redcoast_stdlib_choice/acc"] <= 1.0
+    assert "eval_redcoast_stdlib_choice/acc_norm" in record and "eval_loss" not in record
+    assert result.history["best"]["metric"] == "redcoast_stdlib_choice/acc"
+    with pytest.raises(ValueError, match="pass examples"):
+        rc.Evaluation(model_fn=score, pred_fn=lambda m, b, k: b)

@@ -2,7 +2,8 @@
 sharded model.
 
 `RedcoastLM` (registered in lm-eval as `redcoast` when this package is imported) and
-`harness` give the harness a redcoast model; `loglikelihoods` and `continuations` are
+`harness` give the harness a redcoast model, `harness_metrics` scores tasks inside
+`fit` (`rc.Evaluation(model_fn=...)`); `loglikelihoods` and `continuations` are
 what they run, on token ids; `TASKS` holds the tasks redcoast ships, made from the
 standard library's source (`task_manager()` finds them). Needs the `eval` extra
 (`pip install 'redcoast[eval]'`: `lm-eval[hf]`).
@@ -26,6 +27,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from ._harness import RedcoastLM as RedcoastLM
 from ._harness import harness as harness
+from ._harness import harness_metrics as harness_metrics
 from ._score import continuations as continuations
 from ._score import loglikelihoods as loglikelihoods
 

@@ -11,12 +11,13 @@ form). It tokenizes, truncates and post-processes exactly as the harness's `hf` 
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models, registered before ours)
 from jax.sharding import Mesh
+from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -33,7 +34,7 @@ from ..parallel.mesh import make_mesh
 from ..parallel.place import model_mesh
 from ._score import continuations, loglikelihoods
 
-__all__ = ["RedcoastLM", "harness"]
+__all__ = ["RedcoastLM", "harness", "harness_metrics"]
 
 _log = logging.getLogger("redcoast.eval")
 
@@ -110,6 +111,9 @@ class RedcoastLM(TemplateLM):
 
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
         self.model, self.tokenizer = model, tokenizer
+        # Generation stops where `transformers`' would: at the config's EOS token(s).
+        token_id = getattr(getattr(model, "config", None), "token_id", None)
+        self._eos = token_id("eos_token_id") if token_id is not None else None
         self.mesh = mesh or model_mesh(model) or make_mesh(1)
         self.batch_size = 8 if batch_size in (None, "auto") else int(batch_size)
         self.add_bos_token = add_bos_token
@@ -258,8 +262,9 @@ class RedcoastLM(TemplateLM):
             self.model,
             prompts,
             max_new_tokens=max_gen_toks,
-            done=lambda tokens: any(s and s in self.tok_decode(tokens) for s in until),
-            eos_id=self.eot_token_id,
+            # As the `hf` backend's stopping criteria: the new text, special tokens kept.
+            done=lambda tokens: any(s and s in self.tok_decode(tokens, False) for s in until),
+            eos_id=self._eos,
             temperature=float(kwargs.get("temperature", 0.0)) if sample else 0.0,
             top_k=kwargs.get("top_k") if sample else None,
             top_p=kwargs.get("top_p") if sample else None,
@@ -305,3 +310,67 @@ def harness(
         add_bos_token=add_bos_token,
         progress=progress,
     )
+
+
+def harness_metrics(
+    tokenizer: Any,
+    tasks: Sequence[str | dict[str, Any]],
+    *,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 8,
+    task_manager: Any = None,
+    seed: int = 0,
+) -> Callable[[Any], dict[str, float]]:
+    """`model -> metrics`: the harness's `tasks` scored on a model where it is (on its
+    mesh), as `rc.Evaluation(model_fn=...)` runs them inside `fit`.
+
+    Args:
+        tokenizer: the model's `transformers` tokenizer, or the folder holding it.
+        tasks: task names (redcoast's `TASKS` and lm-eval's own) or task configs.
+        limit: documents per task (or a fraction), as `simple_evaluate`'s.
+        num_fewshot: examples shown before each question.
+        batch_size: requests per data-parallel device at once.
+        task_manager: lm-eval's `TaskManager`; default: `task_manager()`.
+        seed: the harness's seeds (its few-shot draws, its sampling).
+
+    Returns:
+        A function of the model returning `{"task/metric": value}` (the harness's
+        numbers, without their standard errors: `redcoast_stdlib_choice/acc`).
+
+    Example:
+        >>> score = rc.eval.harness_metrics("runs/finetune/model", ["redcoast"], limit=50)
+        >>> rc.fit(..., evaluation=rc.Evaluation(model_fn=score, every=500))
+    """
+    if isinstance(tokenizer, str | Path):
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
+    if task_manager is None:
+        from . import task_manager as default_manager
+
+        task_manager = default_manager()
+
+    def metrics(model: Any) -> dict[str, float]:
+        lm = harness(model, tokenizer, batch_size=batch_size)
+        results = cast(Any, simple_evaluate)(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=task_manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            verbosity="WARNING",
+        )
+        out = {}
+        for task, values in results["results"].items():
+            for key, value in values.items():
+                name, _, _ = key.partition(",")
+                if isinstance(value, int | float) and not name.endswith("_stderr"):
+                    out[f"{task}/{name}"] = float(value)
+        return out
+
+    return metrics

@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
@@ -61,6 +62,31 @@ def _scores(
         "logprob": jnp.where(scored, logp, 0.0).sum(-1),
         "greedy": jnp.all(hit | ~scored, axis=-1),
     }
+
+
+def _shared_scores(
+    model: Any, batch: dict[str, Array], key: Any
+) -> dict[str, Float[Array, "batch k"] | Bool[Array, "batch k"]]:
+    """`_scores` of each row's `k` requests: the row's prefix decoded into the cache
+    once (its logits unused, so never computed), then each request's own tokens decoded
+    from position `start`."""
+    del key
+
+    def row(prefix: Array, start: Array, fed: Array, targets: Array, scored: Array) -> Any:
+        cache = model.init_cache(prefix.shape[0] + fed.shape[-1])
+        _, cache = model.decode(prefix, cache, 0)
+
+        def one(ids: Array, labels: Array, counted: Array) -> tuple[Array, Array]:
+            logits, _ = model.decode(ids, cache, start)
+            logp = -cross_entropy(logits, labels)
+            hit = jnp.argmax(logits, axis=-1) == labels
+            return jnp.where(counted, logp, 0.0).sum(), jnp.all(hit | ~counted)
+
+        return jax.vmap(one)(fed, targets, scored)
+
+    parts = (batch[k] for k in ("prefix", "start", "fed", "targets", "scored"))
+    logprob, greedy = jax.vmap(row)(*parts)
+    return {"logprob": logprob, "greedy": greedy}
 
 
 @functools.cache
@@ -124,7 +150,7 @@ def loglikelihoods(
         >>> rc.eval.loglikelihoods(model, [([464, 3290], [318, 257])], max_length=1024)
         [(-7.31..., False)]
     """
-    rows = []
+    wholes = []
     for i, (context, continuation) in enumerate(requests):
         if not context or not continuation:
             raise ValueError(
@@ -139,9 +165,37 @@ def loglikelihoods(
                 "Shorten it, or score it as a rolling log-likelihood."
             )
         whole = (list(context) + list(continuation))[-(max_length + 1) :]
-        rows.append((whole, len(continuation)))
-    if not rows:
-        return []
+        wholes.append((whole, len(continuation)))
+    how = {"mesh": mesh, "per_device_batch_size": per_device_batch_size, "progress": progress}
+    # Requests whose context (less its last token) others share are grouped: the model
+    # reads that prefix once into a key/value cache and each request's own tokens after it.
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (whole, n) in enumerate(wholes):
+        groups.setdefault(tuple(whole[: len(whole) - 1 - n]), []).append(i)
+    plain = [g for prefix, g in groups.items() if not prefix or not _cached(model)]
+    shared = [g for prefix, g in groups.items() if prefix and _cached(model)]
+    out: list[Any] = [None] * len(wholes)
+    if plain:
+        alone = [i for g in plain for i in g]
+        scores = _score_alone(model, [wholes[i] for i in alone], max_length, how)
+        for i, score in zip(alone, scores, strict=True):
+            out[i] = score
+    if shared:
+        members = [[wholes[i] for i in g] for g in shared]
+        for g, scores in zip(shared, _score_shared(model, members, max_length, how), strict=True):
+            for i, score in zip(g, scores, strict=True):
+                out[i] = score
+    return out
+
+
+def _cached(model: Any) -> bool:
+    return hasattr(model, "init_cache") and hasattr(model, "decode")
+
+
+def _score_alone(
+    model: Any, rows: list[tuple[list[int], int]], max_length: int, how: dict[str, Any]
+) -> list[tuple[float, bool]]:
+    """Each request a row of its own, run through the model whole."""
 
     def collate(batch: list[tuple[list[int], int]]) -> dict[str, np.ndarray]:
         width = bucket(max(len(w) - 1 for w, _ in batch), max_length)
@@ -161,11 +215,64 @@ def loglikelihoods(
         collate_fn=collate,
         pred_fn=_scores,
         output_fn=lambda o: (float(o["logprob"]), bool(o["greedy"])),
-        mesh=mesh,
-        per_device_batch_size=per_device_batch_size,
-        progress=progress,
+        **how,
     )
     return _unsort(order, out)
+
+
+def _score_shared(
+    model: Any, groups: list[list[tuple[list[int], int]]], max_length: int, how: dict[str, Any]
+) -> list[list[tuple[float, bool]]]:
+    """Requests of one prefix together: the prefix read into the cache once, each
+    request's tokens after it (its last context token and its continuation) decoded
+    from there."""
+
+    def width(group: list[tuple[list[int], int]]) -> int:
+        # At most max_length - 1: a shared prefix has a token, and its continuations at
+        # most max_length - 1.
+        return bucket(max(n for _, n in group), max_length - 1)
+
+    def collate(batch: list[list[tuple[list[int], int]]]) -> dict[str, np.ndarray]:
+        fed_width = max(map(width, batch))
+        # The shared part a row reads first: its positions and the fed tokens' must fit
+        # the model's `max_length` positions.
+        starts = [min(len(g[0][0]) - 1 - g[0][1], max_length - fed_width) for g in batch]
+        room = max_length - fed_width
+        prefix = np.zeros((len(batch), bucket(max(max(starts), 1), room)), np.int32)
+        k = max(len(g) for g in batch)
+        fed = np.zeros((len(batch), k, fed_width), np.int32)
+        targets = np.zeros_like(fed)
+        scored = np.zeros(fed.shape, bool)
+        for r, (group, start) in enumerate(zip(batch, starts, strict=True)):
+            prefix[r, :start] = group[0][0][:start]
+            for j, (whole, n) in enumerate(group):
+                own = whole[start:]
+                fed[r, j, : len(own) - 1] = own[:-1]
+                targets[r, j, : len(own) - 1] = own[1:]
+                scored[r, j, len(own) - 1 - n : len(own) - 1] = True
+        return {
+            "prefix": prefix,
+            "start": np.array(starts, np.int32),
+            "fed": fed,
+            "targets": targets,
+            "scored": scored,
+        }
+
+    order = sorted(
+        range(len(groups)),
+        key=lambda g: (-len(groups[g]), -width(groups[g]), -len(groups[g][0][0])),
+    )
+    out = predict(
+        model,
+        [groups[i] for i in order],
+        collate_fn=collate,
+        pred_fn=_shared_scores,
+        output_fn=lambda o: [
+            (float(a), bool(b)) for a, b in zip(o["logprob"], o["greedy"], strict=True)
+        ],
+        **how,
+    )
+    return _unsort(order, [s[: len(groups[g])] for g, s in zip(order, out, strict=True)])
 
 
 def continuations(
@@ -174,7 +281,7 @@ def continuations(
     *,
     max_new_tokens: int,
     done: Callable[[list[int]], bool] = lambda _: False,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -200,7 +307,7 @@ def continuations(
             must fit the model's positions.
         max_new_tokens: the most tokens a continuation gets.
         done: `new tokens -> bool`, true once a continuation may stop.
-        eos_id: a row that produces it stops there (the token kept).
+        eos_id: a row that produces it (or one of them) stops there, the token kept.
         temperature, top_k, top_p: sampling, as `rc.sampling.generate`; 0 is greedy.
         seed: sampling's seed; each round and batch draws with a key of its own.
         first_round: the tokens of the first round.
@@ -220,6 +327,7 @@ def continuations(
     if not all(len(p) for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. the BOS token).")
     limit = getattr(model, "max_positions", None)
+    ends = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
     new: list[list[int]] = [[] for _ in prompts]
     live, made, size, round_ = list(range(len(prompts))), 0, max(1, first_round), 0
     while live and made < max_new_tokens:
@@ -245,7 +353,7 @@ def continuations(
             model,
             [rows[i] for i in order],
             collate_fn=collate,
-            pred_fn=_generator(n, eos_id, float(temperature), top_k, top_p),
+            pred_fn=_generator(n, ends[0] if ends else None, float(temperature), top_k, top_p),
             output_fn=lambda t: np.asarray(t).tolist(),
             mesh=mesh,
             per_device_batch_size=per_device_batch_size,
@@ -254,9 +362,9 @@ def continuations(
         )
         still = []
         for i, tokens in zip(live, _unsort(order, out), strict=True):
-            ended = eos_id is not None and eos_id in tokens
-            new[i] += tokens[: tokens.index(eos_id) + 1] if ended else tokens
-            if not (ended or done(new[i])):
+            end = next((t for t, token in enumerate(tokens) if token in ends), None)
+            new[i] += tokens if end is None else tokens[: end + 1]
+            if not (end is not None or done(new[i])):
                 still.append(i)
         live, made, size, round_ = still, made + n, 2 * size, round_ + 1
     return new

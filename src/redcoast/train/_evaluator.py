@@ -51,26 +51,31 @@ def evaluator(
     )
 
     def evaluate(s: LoopState) -> dict[str, float]:
-        loss_metrics, outputs = inference(
-            s.model,
-            batches(
-                evaluation.examples,
-                collate_fn=collate_fn,
-                mesh=mesh,
-                batch_size=batch_size,
-                shuffle=False,
-                drop_last=False,
-                split_rows=run.context is None,
-            ),
-            key=key,
-            loss_step=loss_step,
-            pred_step=pred_step,
-            output_fn=evaluation.output_fn,
-        )
-        metrics = dict(loss_metrics or {})
+        metrics: dict[str, float] = {}
+        outputs = None
+        if evaluation.examples is not None:
+            loss_metrics, outputs = inference(
+                s.model,
+                batches(
+                    evaluation.examples,
+                    collate_fn=collate_fn,
+                    mesh=mesh,
+                    batch_size=batch_size,
+                    shuffle=False,
+                    drop_last=False,
+                    split_rows=run.context is None,
+                ),
+                key=key,
+                loss_step=loss_step,
+                pred_step=pred_step,
+                output_fn=evaluation.output_fn,
+            )
+            metrics.update(loss_metrics or {})
         if evaluation.metric_fn is not None:
-            assert outputs is not None
+            assert evaluation.examples is not None and outputs is not None
             metrics.update(scalar_metrics(evaluation.metric_fn(evaluation.examples, outputs)))
+        if evaluation.model_fn is not None:
+            metrics.update(scalar_metrics(evaluation.model_fn(s.model)))
         record = {"epoch": s.epoch, **{f"eval_{k}": v for k, v in metrics.items()}}
         records.append({"step": s.step, **record})
         emit(record, s.step)

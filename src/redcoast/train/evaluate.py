@@ -114,10 +114,11 @@ class Evaluation:
 
     Every evaluation computes the eval loss (`loss_fn` per example under inference
     mode); with `pred_fn` it also collects one output per example and scores them
-    with `metric_fn`.
+    with `metric_fn`; with `model_fn` it adds the metrics `model_fn` computes from the
+    model itself (the LM Evaluation Harness's tasks: `rc.eval.harness_metrics`).
 
     Attributes:
-        examples: a sequence, the same on every process.
+        examples: a sequence, the same on every process; may be None with `model_fn`.
         pred_fn: `(model, batch, key) -> pytree of arrays`, for predictions.
         output_fn: one example's predictions (NumPy) -> output, as in `predict`.
         metric_fn: `(examples, outputs) -> dict of numbers`.
@@ -125,8 +126,10 @@ class Evaluation:
             The last step is always evaluated.
         per_device_batch_size: defaults to `fit`'s.
         save_best: `(metric, "max" | "min")`: track the best evaluation (`"loss"` or
-            a key of `metric_fn`'s dict) in `history["best"]`, and with a `workdir`
-            keep its checkpoint in `workdir/ckpts/best`.
+            a key of `metric_fn`'s or `model_fn`'s dict) in `history["best"]`, and
+            with a `workdir` keep its checkpoint in `workdir/ckpts/best`.
+        model_fn: `model -> dict of numbers`, run on the live model (on its mesh) at
+            each evaluation; logged as `eval_<name>` beside the loss.
 
     Example:
         >>> rc.Evaluation(val, pred_fn=pred_fn, output_fn=int, every=500,
@@ -134,16 +137,20 @@ class Evaluation:
         ...               save_best=("acc", "max"))
     """
 
-    examples: Examples
+    examples: Examples | None = None
     pred_fn: PredFn | None = None
     output_fn: Callable[[Any], Any] | None = None
     metric_fn: MetricFn | None = None
     every: int | None = None
     per_device_batch_size: int | None = None
     save_best: tuple[str, Literal["max", "min"]] | None = None
+    model_fn: Callable[[Any], Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
-        check_examples(self.examples, "Evaluation.examples")
+        if self.examples is not None or self.model_fn is None:
+            check_examples(self.examples, "Evaluation.examples")
+        elif self.pred_fn is not None:
+            raise ValueError("Evaluation: pred_fn predicts on examples; pass examples as well.")
         check_positive("Evaluation.every", self.every)
         check_positive("Evaluation.per_device_batch_size", self.per_device_batch_size)
         if (self.output_fn is not None or self.metric_fn is not None) and self.pred_fn is None:
