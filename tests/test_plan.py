@@ -411,7 +411,7 @@ def _cache_row(tokens: int, itemsize: int = 4) -> int:
     return 2 * 2 * tokens * 2 * 16 * itemsize
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def rl_plans() -> dict[str, rc.MemoryPlan]:
     """The RL plans the tests below share (15-20 s of compiling each), both with a KL
     penalty: a full fine-tune on TP 2, and LoRA on DP 2 planned for a GPU with
