@@ -252,5 +252,5 @@ def bench_maxtext(session: nox.Session) -> None:
 @nox.session
 def examples(session: nox.Session) -> None:
     """Every example at full length (minutes each): checks its bar, writes examples/RESULTS.md."""
-    _install(session, "redcoast with the examples' packages", "-e", ".[examples]")
+    _install(session, "redcoast with the examples' packages", "-e", ".[examples,eval]")
     session.run("python", "scripts/run_examples.py", *session.posargs)

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BARS = {
     "classification": ("test_accuracy", "min", 0.97, None),
     "dp_sgd": ("test_accuracy", "min", 0.90, None),
+    "evaluate": ("byte_perplexity_ratio", "max", 0.7, None),
     "fedavg": ("test_accuracy", "min", 0.93, None),
     "grpo": ("gain", "min", 0.4, 900.0),
     "finetune": ("ratio", "max", 0.7, None),
@@ -56,7 +57,7 @@ BARS = {
 }
 
 # The examples that start from `_pretrained.py`'s base checkpoint (`--base-dir`).
-BASED = ("finetune", "preference")
+BASED = ("finetune", "preference", "evaluate")
 
 # A second row of an example, run with other options: row -> (example, options).
 VARIANTS = {

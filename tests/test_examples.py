@@ -311,3 +311,17 @@ def test_finetune_says_it_pretrains_its_base_for_base_steps_and_pretrained_makes
     assert made.exit_code == 0 and "pretraining one first, 2 steps" in made.output, made.output
     files = "config.json, model.safetensors, tokenizer.json, tokenizer_config.json"
     assert made.output.rstrip().endswith(f"{tmp_path / 'gpt2'}: {files}")
+
+
+@pytest.mark.slow
+def test_evaluate_scores_both_checkpoints_on_the_shipped_tasks(tmp_path):
+    folder = tiny_gpt2(tmp_path / "tiny")
+    out = tmp_path / "metrics.json"
+    args = ["run", "evaluate", "--model", str(folder), "--tuned", str(folder), "--limit", "3"]
+    result = CliRunner().invoke(main, [*args, "--metrics-json", str(out)])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(out.read_text())
+    for name in ("choice_accuracy", "line_exact_match", "source_bits_per_byte"):
+        assert metrics[f"{name}_before"] == metrics[f"{name}_after"]  # the same checkpoint
+    assert metrics["byte_perplexity_ratio"] == 1.0
+    assert "choice_accuracy: " in result.output

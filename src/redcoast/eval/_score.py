@@ -2,9 +2,9 @@
 continuations generated until a condition holds.
 
 Requests come in any order and of any length. They are sorted by length, so that each
-batch holds requests of about one length, and each batch is padded to a power of two
-(at most the model's context): `rc.predict` compiles one program per padded length, a
-few in all, and splits the rows over the data axis of the model's mesh.
+batch holds requests of about one length, and each batch is padded to a few lengths
+(`bucket`): `rc.predict` compiles one program per padded length and splits the rows
+over the data axis of the model's mesh.
 """
 
 import functools
@@ -27,9 +27,10 @@ Tokens = Sequence[int]
 
 
 def bucket(length: int, limit: int | None) -> int:
-    """The padded length of a batch whose longest row has `length` tokens: the next power
-    of two from 16, at most `limit`."""
-    padded = max(16, 1 << (length - 1).bit_length())
+    """The padded length of a batch whose longest row has `length` tokens, at most
+    `limit`: the next power of two from 16 up to 256, then the next multiple of 256 (a
+    few lengths to compile, and a long row padded by less than half)."""
+    padded = max(16, 1 << (length - 1).bit_length()) if length <= 256 else -(-length // 256) * 256
     return padded if limit is None else min(padded, limit)
 
 
