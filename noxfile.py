@@ -187,7 +187,7 @@ def multihost(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check and pyright on src/."""
-    bin_dir, env = _shared(session, "ruff, pyright and nox", "dev")
+    bin_dir, env = _shared(session, "ruff, pyright and nox", "dev,eval")
     ruff, paths = str(bin_dir / "ruff"), ("src", "tests", "scripts", "examples", "noxfile.py")
     session.run(ruff, "check", *paths, env=env, external=True)
     session.run(ruff, "format", "--check", *paths, env=env, external=True)

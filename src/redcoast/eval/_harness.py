@@ -180,15 +180,15 @@ class RedcoastLM(TemplateLM):
         self, requests: list[tuple[tuple[str, str], list[int], list[int]]], **kwargs: Any
     ) -> list[tuple[float, bool]]:
         del kwargs
-        for _, context, continuation in requests:
-            if len(context) + len(continuation) > self.max_length + 1:
-                _log.warning(
-                    "a request of %d context and %d continuation tokens exceeds the model's "
-                    "max_length (%d): its context's first tokens are left out.",
-                    len(context),
-                    len(continuation),
-                    self.max_length,
-                )
+        long = sum(len(c) + len(x) > self.max_length + 1 for _, c, x in requests)
+        if long:
+            _log.warning(
+                "%d of %d requests exceed the model's max_length (%d tokens): their "
+                "contexts' first tokens are left out, as the hf backend leaves them out.",
+                long,
+                len(requests),
+                self.max_length,
+            )
         pairs = [(context, continuation) for _, context, continuation in requests]
         scores = loglikelihoods(self.model, pairs, max_length=self.max_length, **self._run())
         for (strings, _, _), score in zip(requests, scores, strict=True):

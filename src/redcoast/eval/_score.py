@@ -19,6 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .. import sampling
 from ..nn._loss import cross_entropy, map_logits
+from ..sampling._warpers import _argmax
 from ..train.evaluate import predict
 
 __all__ = ["bucket", "continuations", "loglikelihoods"]
@@ -46,6 +47,12 @@ def _unsort(order: list[int], values: list[Any]) -> list[Any]:
     return out
 
 
+def _greedy(logits: Array) -> Array:
+    """`jnp.argmax` over the vocabulary, as the sampler takes it (two reductions, which
+    XLA's CPU backend vectorises; the variadic one it runs an element at a time)."""
+    return _argmax(logits.reshape(-1, logits.shape[-1])).reshape(logits.shape[:-1])
+
+
 def _scores(
     model: Any, batch: dict[str, Array], key: Any
 ) -> dict[str, Float[Array, " batch"] | Bool[Array, " batch"]]:
@@ -55,7 +62,7 @@ def _scores(
     del key
 
     def per_token(logits: Array, labels: Int[Array, "batch tokens"]) -> tuple[Array, Array]:
-        return -cross_entropy(logits, labels), jnp.argmax(logits, axis=-1) == labels
+        return -cross_entropy(logits, labels), _greedy(logits) == labels
 
     logp, hit = map_logits(model, batch["ids"], per_token, batch["targets"], chunk_tokens="auto")
     scored = batch["scored"]
@@ -80,7 +87,7 @@ def _shared_scores(
         def one(ids: Array, labels: Array, counted: Array) -> tuple[Array, Array]:
             logits, _ = model.decode(ids, cache, start)
             logp = -cross_entropy(logits, labels)
-            hit = jnp.argmax(logits, axis=-1) == labels
+            hit = _greedy(logits) == labels
             return jnp.where(counted, logp, 0.0).sum(), jnp.all(hit | ~counted)
 
         return jax.vmap(one)(fed, targets, scored)
