@@ -179,7 +179,6 @@ LATER = {
     "test_fit.py::test_dropout_losses_agree_on_one_device_8x1_and_2x4": [],
     "test_sampling.py::test_sampling_on_a_mesh_draws_what_one_device_draws": ["2-False"],
     "test_sampling.py::test_samples_follow_the_filtered_distribution": [],
-    "test_rl.py::test_a_sharded_run_equals_one_device": ["tp-fsdp"],
     "test_deepseek.py::test_a_sharded_train_step_equals_one_device": [],
     "test_precision.py::test_full_remat_at_least_halves_the_compiled_steps_temporaries": [],
     "test_plan.py::test_the_cli_plans_context_parallelism": [],

@@ -99,10 +99,12 @@ def test_a_sharded_model_scores_as_one_device(folder, model):
     new = rce.continuations(model, prompts, max_new_tokens=12, mesh=one)
     mesh = rc.make_mesh(2)
     sharded = rc.models.from_hf(folder, mesh=mesh)
-    got = rce.loglikelihoods(sharded, requests, max_length=POSITIONS, per_device_batch_size=1)
-    for (a, greedy_a), (b, greedy_b) in zip(got, expected, strict=True):
-        assert a == pytest.approx(b, abs=1e-4)
-        assert greedy_a == greedy_b
+    fsdp = rc.models.from_hf(folder, mesh=mesh, fsdp=True)  # weights over the data axis too
+    for split in (sharded, fsdp):
+        got = rce.loglikelihoods(split, requests, max_length=POSITIONS, per_device_batch_size=1)
+        for (a, greedy_a), (b, greedy_b) in zip(got, expected, strict=True):
+            assert a == pytest.approx(b, abs=1e-4)
+            assert greedy_a == greedy_b
     assert rce.continuations(sharded, prompts, max_new_tokens=12, per_device_batch_size=1) == new
 
 
@@ -127,6 +129,24 @@ def test_bad_settings_say_what_to_do(folder, model):
         lm._generate(["def f():"], {"until": ["\n"], "num_beams": 4})
     with pytest.raises(ValueError, match="no room"):
         lm._generate(["def f():"], {"until": ["\n"], "max_gen_toks": POSITIONS})
+
+
+def test_chat_templates_are_applied_as_the_hf_backend_applies_them(folder, model):
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}"
+        "{% endif %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    theirs = HFLM(pretrained=str(folder), tokenizer=tokenizer, device="cpu")
+    ours = rce.harness(model, tokenizer)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f("}]
+    for prompt in (True, False):
+        assert ours.apply_chat_template(chat, prompt) == theirs.apply_chat_template(chat, prompt)
+    assert ours.apply_chat_template(chat) == "<user>def f(\n<assistant>"
 
 
 def test_the_command_prints_the_table_and_writes_the_results(folder, tmp_path):

@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import click
 
@@ -85,10 +85,10 @@ def evaluate(
         raise click.UsageError("--log-samples keeps the answers in --output: name a file.")
     simulate_devices(devices)
     try:
-        from lm_eval import simple_evaluate
         from lm_eval.utils import handle_non_serializable, make_table
 
         from .eval import RedcoastLM, task_manager
+        from .eval._harness import evaluate
     except ImportError as err:
         raise click.ClickException(str(err)) from err
     import jax
@@ -103,21 +103,18 @@ def evaluate(
             batch_size=batch_size,
             max_length=max_length,
         )
-        results = cast(Any, simple_evaluate)(
-            model=lm,
-            tasks=names,
+        results = evaluate(
+            lm,
+            names,
             task_manager=task_manager(*folders),
+            seed=seed,
             num_fewshot=num_fewshot,
             limit=int(limit) if limit is not None and limit >= 1 else limit,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
             log_samples=log_samples,
         )
     except (ValueError, KeyError) as err:
         raise click.ClickException(str(err)) from err
-    if results is None or jax.process_index() != 0:
+    if jax.process_index() != 0:
         return
     click.echo(make_table(results))
     if output is not None:

@@ -167,6 +167,22 @@ class RedcoastLM(TemplateLM):
     def tok_decode(self, tokens: Sequence[int] | int, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The chat as the tokenizer's template writes it (`--apply_chat_template`), as
+        the `hf` backend does: without the system turn where the template refuses one."""
+        import jinja2
+
+        how = {"add_generation_prompt": add_generation_prompt}
+        how["continue_final_message"] = not add_generation_prompt
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, tokenize=False, **how)
+        except jinja2.exceptions.TemplateError:
+            _log.warning("the chat template failed; applying it without the system turn.")
+            turns = [m for m in chat_history if m["role"] != "system"]
+            return self.tokenizer.apply_chat_template(turns, tokenize=False, **how)
+
     # ------------------------------------------------------------------ the three requests
 
     def _run(self) -> dict[str, Any]:
@@ -312,6 +328,18 @@ def harness(
     )
 
 
+def evaluate(
+    lm: RedcoastLM, tasks: list[Any], *, task_manager: Any, seed: int = 0, **options: Any
+) -> dict[str, Any]:
+    """`lm_eval.simple_evaluate` of `lm` on `tasks`, every seed of the harness `seed`."""
+    seeds = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+    results = cast(Any, simple_evaluate)(
+        model=lm, tasks=tasks, task_manager=task_manager, **dict.fromkeys(seeds, seed), **options
+    )
+    assert results is not None  # None only on processes other than lm-eval's rank 0
+    return results
+
+
 def harness_metrics(
     tokenizer: Any,
     tasks: Sequence[str | dict[str, Any]],
@@ -353,16 +381,13 @@ def harness_metrics(
 
     def metrics(model: Any) -> dict[str, float]:
         lm = harness(model, tokenizer, batch_size=batch_size)
-        results = cast(Any, simple_evaluate)(
-            model=lm,
-            tasks=list(tasks),
+        results = evaluate(
+            lm,
+            list(tasks),
             task_manager=task_manager,
+            seed=seed,
             limit=limit,
             num_fewshot=num_fewshot,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
             verbosity="WARNING",
         )
         out = {}
