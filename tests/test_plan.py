@@ -264,7 +264,7 @@ def test_the_cli_plans_context_parallelism(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["layout"]["context_parallel"] is True
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_plan() -> rc.MemoryPlan:
     """One compiled plan, whose figures the search tests give every layout."""
     return rc.memory_plan(SMALL, devices=8, seq_len=32, max_batch=False)
