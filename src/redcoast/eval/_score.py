@@ -155,8 +155,8 @@ def loglikelihoods(
             `max_length`.
 
     Example:
-        >>> rc.eval.loglikelihoods(model, [([464, 3290], [318, 257])], max_length=1024)
-        [(-7.31..., False)]
+        >>> [(logprob, greedy)] = rc.eval.loglikelihoods(
+        ...     model, [([464, 3290], [318, 257])], max_length=1024)
     """
     wholes = []
     for i, (context, continuation) in enumerate(requests):
