@@ -228,3 +228,17 @@ def test_fit_scores_the_harness_tasks_on_the_live_model_beside_the_loss(folder, 
     assert result.history["best"]["metric"] == "redcoast_stdlib_choice/acc"
     with pytest.raises(ValueError, match="pass examples"):
         rc.Evaluation(model_fn=score, pred_fn=lambda m, b, k: b)
+
+
+def test_the_commands_tasks_are_names_yaml_files_and_folders(tmp_path):
+    import click
+
+    from redcoast._eval_command import _tasks
+
+    yaml = rce.TASKS / "redcoast_stdlib_line.yaml"
+    names, folders = _tasks(f"hellaswag, {yaml},{tmp_path}", ("extra",))
+    assert names[0] == "hellaswag" and names[1]["task"] == "redcoast_stdlib_line"
+    assert callable(names[1]["custom_dataset"])  # its !function read from beside the file
+    assert folders == ["extra", str(tmp_path)]
+    with pytest.raises(click.UsageError, match="no task"):
+        _tasks(" , ", ())
