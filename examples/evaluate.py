@@ -30,13 +30,14 @@ REPORTED = {
 }
 
 
-def score(folder: Path, n_model_shards: int, batch_size: int, limit: int | None) -> dict:
+def score(
+    folder: Path, tasks: object, n_model_shards: int, batch_size: int, limit: int | None
+) -> dict:
     """The tasks' figures for the checkpoint in `folder`, its model split over
-    `n_model_shards` devices and the requests over the rest."""
+    `n_model_shards` devices and the requests over the rest (`tasks`: lm-eval's
+    `TaskManager`, which indexes every task it knows once)."""
     lm = rce.RedcoastLM(str(folder), n_model_shards=n_model_shards, batch_size=batch_size)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=TASKS, task_manager=rce.task_manager(), limit=limit
-    )
+    results = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=tasks, limit=limit)
     assert results is not None
     return {name: results["results"][task][key] for task, (key, name) in REPORTED.items()}
 
@@ -74,6 +75,7 @@ def main(
     if not (after / "config.json").is_file():
         finetune(model=str(base), output=str(after), max_steps=finetune_steps)
     how = {"n_model_shards": n_model_shards, "batch_size": batch_size, "limit": limit or None}
+    how["tasks"] = rce.task_manager()
     before_scores, after_scores = score(base, **how), score(after, **how)
     metrics = {}
     for name in before_scores:

@@ -9,7 +9,7 @@ import redcoast
 
 PACKAGE = Path(redcoast.__file__).parent
 # The public surface and the command line join the framework to the zoo; nothing else may.
-GLUE = {"__init__.py", "__main__.py", "cli.py", "eval/_harness.py"}
+GLUE = {"__init__.py", "__main__.py", "cli.py"}
 
 
 def _imports(source: str, module_path: str) -> list[tuple[int, str]]:

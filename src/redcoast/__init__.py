@@ -14,6 +14,7 @@ from . import quant as quant
 from . import rl as rl
 from . import sampling as sampling
 from . import text as text
+from ._folders import read_with as _read_with
 from .checkpoint._io import Checkpoint as Checkpoint
 from .checkpoint._io import CheckpointError as CheckpointError
 from .checkpoint._io import latest_checkpoint as latest_checkpoint
@@ -63,6 +64,8 @@ from .train.step import train_step as train_step
 from .train.trainable import Trainable as Trainable
 from .train.trainable import trainable_mask as trainable_mask
 from .train.workdir import WorkdirInUseError as WorkdirInUseError
+
+_read_with(models.from_hf)  # folders the framework reads (the harness's path=) are the zoo's
 
 
 def __getattr__(name: str) -> object:

@@ -30,6 +30,7 @@ from lm_eval.models.utils import (
 )
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from .._folders import read_folder
 from ..parallel.mesh import make_mesh
 from ..parallel.place import model_mesh
 from ._score import continuations, loglikelihoods
@@ -40,6 +41,15 @@ _log = logging.getLogger("redcoast.eval")
 
 # What a request's generation kwargs may hold beside `until` and `max_gen_toks`.
 _SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
+
+
+def _tokenizer(given: Any) -> Any:
+    """A `transformers` tokenizer, read from the folder `given` names if it is a path."""
+    if not isinstance(given, str | Path):
+        return given
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(given))
 
 
 class RedcoastLM(TemplateLM):
@@ -96,21 +106,15 @@ class RedcoastLM(TemplateLM):
                 f"model= (a zoo decoder), not {'both' if path else 'neither'}."
             )
         if path is not None:
-            from ..models.auto import from_hf
-
             mesh = mesh or make_mesh(int(n_model_shards))
-            model = from_hf(path, mesh=mesh, fsdp=bool(fsdp), dtype=dtype)
+            model = read_folder(path, mesh=mesh, fsdp=bool(fsdp), dtype=dtype)
             tokenizer = tokenizer or path
         if tokenizer is None:
             raise ValueError(
                 "RedcoastLM needs the model's tokenizer: tokenizer= (a transformers "
                 "tokenizer, or the folder holding it)."
             )
-        if isinstance(tokenizer, str | Path):
-            import transformers
-
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer = model, _tokenizer(tokenizer)
         # Generation stops where `transformers`' would: at the config's EOS token(s).
         token_id = getattr(getattr(model, "config", None), "token_id", None)
         self._eos = token_id("eos_token_id") if token_id is not None else None
@@ -370,10 +374,7 @@ def harness_metrics(
         >>> score = rc.eval.harness_metrics("runs/finetune/model", ["redcoast"], limit=50)
         >>> rc.fit(..., evaluation=rc.Evaluation(model_fn=score, every=500))
     """
-    if isinstance(tokenizer, str | Path):
-        import transformers
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
+    tokenizer = _tokenizer(tokenizer)
     if task_manager is None:
         from . import task_manager as default_manager
 

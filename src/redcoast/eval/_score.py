@@ -180,8 +180,9 @@ def loglikelihoods(
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (whole, n) in enumerate(wholes):
         groups.setdefault(tuple(whole[: len(whole) - 1 - n]), []).append(i)
-    plain = [g for prefix, g in groups.items() if not prefix or not _cached(model)]
-    shared = [g for prefix, g in groups.items() if prefix and _cached(model)]
+    cached = _cached(model)
+    plain = [g for prefix, g in groups.items() if not prefix or not cached]
+    shared = [g for prefix, g in groups.items() if prefix and cached]
     out: list[Any] = [None] * len(wholes)
     if plain:
         alone = [i for g in plain for i in g]
@@ -194,6 +195,16 @@ def loglikelihoods(
             for i, score in zip(g, scores, strict=True):
                 out[i] = score
     return out
+
+
+def _fill(
+    ids: np.ndarray, targets: np.ndarray, scored: np.ndarray, tokens: list[int], n: int
+) -> None:
+    """One request's row: its tokens but the last read, each one's next token its
+    target, and the targets of its last `n` tokens (the continuation) scored."""
+    ids[: len(tokens) - 1] = tokens[:-1]
+    targets[: len(tokens) - 1] = tokens[1:]
+    scored[len(tokens) - 1 - n : len(tokens) - 1] = True
 
 
 def _cached(model: Any) -> bool:
@@ -211,9 +222,7 @@ def _score_alone(
         targets = np.zeros_like(ids)
         scored = np.zeros(ids.shape, bool)
         for r, (whole, n) in enumerate(batch):
-            ids[r, : len(whole) - 1] = whole[:-1]
-            targets[r, : len(whole) - 1] = whole[1:]
-            scored[r, len(whole) - 1 - n : len(whole) - 1] = True
+            _fill(ids[r], targets[r], scored[r], whole, n)
         return {"ids": ids, "targets": targets, "scored": scored}
 
     order = _order([len(w) for w, _ in rows])
@@ -254,10 +263,7 @@ def _score_shared(
         for r, (group, start) in enumerate(zip(batch, starts, strict=True)):
             prefix[r, :start] = group[0][0][:start]
             for j, (whole, n) in enumerate(group):
-                own = whole[start:]
-                fed[r, j, : len(own) - 1] = own[:-1]
-                targets[r, j, : len(own) - 1] = own[1:]
-                scored[r, j, len(own) - 1 - n : len(own) - 1] = True
+                _fill(fed[r, j], targets[r, j], scored[r, j], whole[start:], n)
         return {
             "prefix": prefix,
             "start": np.array(starts, np.int32),
