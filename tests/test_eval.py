@@ -242,3 +242,10 @@ def test_the_commands_tasks_are_names_yaml_files_and_folders(tmp_path):
     assert folders == ["extra", str(tmp_path)]
     with pytest.raises(click.UsageError, match="no task"):
         _tasks(" , ", ())
+
+
+def test_the_command_names_a_folder_that_holds_no_checkpoint(tmp_path):
+    from redcoast.cli import main
+
+    result = CliRunner().invoke(main, ["eval", str(tmp_path), "--tasks", "redcoast"])
+    assert result.exit_code == 1 and "no config.json" in result.output

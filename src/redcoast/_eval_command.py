@@ -112,7 +112,7 @@ def evaluate(
             limit=int(limit) if limit is not None and limit >= 1 else limit,
             log_samples=log_samples,
         )
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, OSError) as err:  # bad options, tasks or folder
         raise click.ClickException(str(err)) from err
     if jax.process_index() != 0:
         return
