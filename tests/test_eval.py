@@ -113,6 +113,7 @@ def test_lm_eval_finds_redcoast_and_keeps_its_own_models():
     from lm_eval.models.huggingface import HFLM
 
     assert get_model("redcoast") is rce.RedcoastLM
+    assert rc.eval is rce  # imported on first use, not by `import redcoast`
     assert get_model("hf") is HFLM
 
 
