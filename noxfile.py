@@ -125,7 +125,8 @@ def _shared(session: nox.Session, what: str, extras: str) -> tuple[Path, dict[st
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and integration tests on 8 simulated CPU devices (slow ones excluded)."""
-    _install(session, "redcoast with its test, hf and eval extras", "-e", ".[test,hf,eval]")
+    what = "redcoast with its test, hf, eval and vision extras"
+    _install(session, what, "-e", ".[test,hf,eval,vision]")
     session.run("pytest", *WORKERS, *FAST, *session.posargs, env=FAST_COMPILE)
 
 
@@ -140,7 +141,7 @@ def jax_matrix(session: nox.Session, jax: str) -> None:
     that compare the zoo with `transformers` (`pytest.importorskip("torch")`) are
     skipped there and run in the 3.11 session.
     """
-    extras = "test,hf,eval" if session.python in HF_PYTHONS else "test"
+    extras = "test,hf,eval,vision" if session.python in HF_PYTHONS else "test,vision"
     what = f"redcoast[{extras}] with JAX {jax} on Python {session.python}"
     _install(session, what, "-e", f".[{extras}]", f"jax=={jax}", f"jaxlib=={jax}")
     # The newest pair leaves out the longest fast tests, which `tests` runs (`ONCE`).
@@ -153,7 +154,7 @@ def slow(session: nox.Session) -> None:
     """The long tests: killed and resumed runs, launchers and dead peers, examples via the CLI,
     and plans compiled by the TPU compiler (the `tpu` extra)."""
     bin_dir, env = _shared(
-        session, "the examples' packages and the TPU compiler", "test,examples,hf,tpu,eval"
+        session, "the examples' packages and the TPU compiler", "test,examples,hf,tpu,eval,vision"
     )
     session.run(
         str(bin_dir / "pytest"),
@@ -187,7 +188,7 @@ def multihost(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check and pyright on src/."""
-    bin_dir, env = _shared(session, "ruff, pyright and nox", "dev,eval")
+    bin_dir, env = _shared(session, "ruff, pyright and nox", "dev,eval,vision")
     ruff, paths = str(bin_dir / "ruff"), ("src", "tests", "scripts", "examples", "noxfile.py")
     session.run(ruff, "check", *paths, env=env, external=True)
     session.run(ruff, "format", "--check", *paths, env=env, external=True)
@@ -252,5 +253,5 @@ def bench_maxtext(session: nox.Session) -> None:
 @nox.session
 def examples(session: nox.Session) -> None:
     """Every example at full length (minutes each): checks its bar, writes examples/RESULTS.md."""
-    _install(session, "redcoast with the examples' packages", "-e", ".[examples,eval]")
+    _install(session, "redcoast with the examples' packages", "-e", ".[examples,eval,vision]")
     session.run("python", "scripts/run_examples.py", *session.posargs)

@@ -54,10 +54,11 @@ BARS = {
     "seq2seq": ("rougeL", "min", 0.90, 300.0),
     # 480 s: its prompt's tokens join the patches (21 tokens a step, not 16); 330-399 s seen.
     "text_to_image": ("recognised", "min", 0.80, 480.0),
+    "vlm": ("accuracy_after", "min", 0.85, None),
 }
 
 # The examples that start from `_pretrained.py`'s base checkpoint (`--base-dir`).
-BASED = ("finetune", "preference", "evaluate")
+BASED = ("finetune", "preference", "evaluate", "vlm")
 
 # A second row of an example, run with other options: row -> (example, options).
 VARIANTS = {

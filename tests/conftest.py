@@ -112,7 +112,24 @@ LATER = {
         "mixtral-tp",
         "mixtral-tp-fsdp",
         "gemma3-tp-fsdp",
+        "qwen3_moe-tp-fsdp",
     ],
+    # Planned again beside other plans of the slow session: context parallelism (its CLI
+    # line), LoRA (QLoRA's plan), attention remat and the attention option (the planner's
+    # peak, compiled), the captioner (the vision-language models' plan).
+    "test_plan.py::test_context_parallelism_plans_a_fraction_of_the_activations": [],
+    "test_plan.py::test_a_lora_plan_keeps_optimizer_state_for_the_adapters_only": [],
+    "test_plan.py::test_attention_remat_plans_under_fsdp_and_keeps_less": [],
+    "test_plan.py::test_a_zoo_model_is_planned_with_the_attention_asked_for": [],
+    "test_vision.py::test_the_planner_plans_the_captioner": [],
+    # Moving between layouts: test_resume's runs resumed on another mesh do it too.
+    "test_fsdp.py::test_checkpoints_move_between_fsdp_and_tensor_parallel_layouts": [],
+    # bf16 beside fp32: test_bf16_tracks_fp32_with_float32_master_weights, in the slow session.
+    "test_precision.py::test_bf16_step_hands_float32_gradients_close_to_fp32_ones_to_the_"
+    "master_weights": [],
+    # The split's fit, evaluate and predict: test_seq_parallel's steps, and fit with it in
+    # test_families' options beside the split.
+    "test_seq_parallel.py::test_fit_evaluate_and_predict_with_the_split_equal_them_without": [],
     "test_families.py::test_greedy_generation_equals_transformers": ["mixtral"],
     "test_families.py::test_scanned_layers_equal_transformers_and_write_back": ["mixtral"],
     "test_families.py::test_moe_loss_with_the_balancing_term_equals_transformers": ["mixtral"],
@@ -391,6 +408,23 @@ ONCE = (
     "test_moe.py::test_the_ragged_grouped_matmul_is_the_blocked_one",
     "test_moe.py::test_only_the_chosen_experts_compute_the_every_expert_numbers",
     "test_moe.py::test_the_planner_counts_each_routing_once_in_a_ragged_dot",
+    "test_vlm.py::test_towers_equal_transformers_at_every_layer_and_round_trip",
+    "test_vlm.py::test_llava_equals_transformers_generates_alike_and_round_trips",
+    "test_vlm.py::test_llava_checkpoints_of_each_spelling_load_alike",
+    "test_vlm.py::test_bad_images_and_image_tokens_are_clear_errors",
+    "test_vlm.py::test_the_rules_split_the_tower_the_projector_and_the_decoder_as_megatron_does",
+    "test_vlm.py::test_a_decoder_given_new_tokens_keeps_its_logits_and_starts_them_at_the_mean",
+    "test_gemma3_vision.py::test_logits_equal_transformers_with_the_images_bidirectional",
+    "test_gemma3_vision.py::test_greedy_generation_from_images_equals_transformers",
+    "test_gemma3_vision.py::test_to_hf_writes_the_checkpoint_back_and_transformers_loads_it",
+    "test_gemma3_vision.py::test_transformers_4_names_load_alike",
+    "test_gemma3_vision.py::test_a_wrong_number_of_image_tokens_is_an_error",
+    "test_gemma3_vision.py::test_bad_configs_and_kernels_without_masks_are_errors",
+    "test_gemma3_vision.py::test_a_model_built_in_code_writes_a_folder_transformers_loads",
+    "test_vision_data.py::test_pixels_equal_transformers_image_processors",
+    "test_vision_data.py::test_llava_rows_equal_the_processor_and_count_the_assistant_alone",
+    "test_vision_data.py::test_gemma3_rows_equal_the_processor",
+    "test_vision_data.py::test_rows_from_a_jsonl_file_give_a_llava_its_loss",
 )
 
 

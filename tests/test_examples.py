@@ -9,6 +9,8 @@ import time
 import types
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -102,7 +104,8 @@ def test_demo_prints_the_plan_a_sample_and_metrics(tmp_path, monkeypatch):
 def test_every_example_has_a_smoke_test():
     listing = CliRunner().invoke(main, ["run", "--help"]).output
     names = listing.split("Examples:")[1].split()
-    assert set(SMOKE) | {"language_modeling", "finetune", "preference"} <= set(names)
+    tested_apart = {"language_modeling", "finetune", "preference", "evaluate", "vlm"}
+    assert set(SMOKE) | tested_apart <= set(names)
 
 
 def test_every_example_stays_within_its_lines_of_code():
@@ -325,3 +328,29 @@ def test_evaluate_scores_both_checkpoints_on_the_shipped_tasks(tmp_path):
         assert metrics[f"{name}_before"] == metrics[f"{name}_after"]  # the same checkpoint
     assert metrics["byte_perplexity_ratio"] == 1.0
     assert "choice_accuracy: " in result.output
+
+
+@pytest.mark.slow
+def test_vlm_writes_a_llava_folder_transformers_reads_alike(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    made = CliRunner().invoke(main, ["pretrained", str(tmp_path / "base"), "--steps", "2"])
+    assert made.exit_code == 0, made.output
+    out = tmp_path / "metrics.json"
+    args = ["run", "vlm", "--max-steps", "4", "--per-device-batch-size", "4"]
+    args += ["--base-dir", str(tmp_path / "base"), "--workdir", str(tmp_path)]
+    result = CliRunner().invoke(main, [*args, "--metrics-json", str(out)])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(out.read_text())
+    assert set(metrics) == {"accuracy_before", "accuracy_after"}
+    # The tuned LLaVA, one image past two text tokens: transformers' logits are ours.
+    captioning = _examples.load_example("captioning")
+    ours = rc.models.from_hf(tmp_path / "hf")
+    ids = np.random.default_rng(0).integers(0, 4096, (2, 24))
+    ids[:, 2 : 2 + ours.config.image_tokens] = ours.config.image_token_index
+    pixels = np.stack([captioning.draw(captioning.KINDS[k], k) for k in (3, 70)])
+    theirs = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        want = theirs(input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels)).logits
+    got = jax.vmap(ours)(jnp.asarray(ids), jnp.asarray(pixels[:, None]))
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-4)

@@ -258,9 +258,10 @@ def test_unsupported_architecture_is_named(gpt2_folder: Path, tmp_path: Path) ->
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         ValueError,
-        match=r"model_type='bert'.*\['bart', 'deepseek_v3', 'gemma2', 'gemma3_text', 'gpt2', "
-        r"'gptj', 'llama', 'mistral', 'mixtral', 'opt', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe', "
-        r"'t5', 'vision-encoder-decoder', 'vit'\]",
+        match=r"model_type='bert'.*\['bart', 'clip_vision_model', 'deepseek_v3', 'gemma2', "
+        r"'gemma3', 'gemma3_text', 'gpt2', 'gptj', 'llama', 'llava', 'mistral', 'mixtral', "
+        r"'opt', 'phi3', 'qwen2', 'qwen3', 'qwen3_moe', 'siglip_vision_model', 't5', "
+        r"'vision-encoder-decoder', 'vit'\]",
     ):
         rc.models.from_hf(folder)
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*rc.models.from_hf picks"):
@@ -369,6 +370,23 @@ VIT = dict(
 )
 
 
+TOWER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=16,
+    patch_size=4,
+)
+IMAGE = SMALL_VOCAB - 1  # the vision-language models' image token
+
+
+def with_image(ids: np.ndarray, n: int) -> np.ndarray:
+    """Rows of `ids` with one image's `n` tokens after the first two (no other image token)."""
+    text = np.where(ids == IMAGE, 1, ids)
+    return np.concatenate([text[:, :2], np.full((len(ids), n), IMAGE), text[:, 2:]], axis=1)
+
+
 def built_in_code(model_type: str) -> rc.models.HFConfig:
     """A small config of the zoo's `model_type` as code writes one, without token ids."""
     m, v = rc.models, SMALL_VOCAB
@@ -422,6 +440,21 @@ def built_in_code(model_type: str) -> rc.models.HFConfig:
             max_position_embeddings=16,
         ),
         "vit": lambda: m.ViTConfig(**VIT),
+        "clip_vision_model": lambda: m.CLIPVisionConfig(**TOWER),
+        "siglip_vision_model": lambda: m.SiglipVisionConfig(**TOWER),
+        "llava": lambda: m.LlavaConfig(
+            vision_config=m.CLIPVisionConfig(**TOWER),
+            text_config=family_config("llama3", vocab=v),  # type: ignore[arg-type]
+            image_token_index=IMAGE,
+        ),
+        "gemma3": lambda: m.Gemma3Config(
+            vision_config=m.SiglipVisionConfig(**TOWER, vision_use_head=False),
+            text_config=family_config("gemma3", vocab=v),  # type: ignore[arg-type]
+            mm_tokens_per_image=4,
+            boi_token_index=IMAGE - 2,
+            eoi_token_index=IMAGE - 1,
+            image_token_index=IMAGE,
+        ),
         "vision-encoder-decoder": lambda: m.VisionEncoderDecoderConfig(
             encoder=m.ViTConfig(**VIT), decoder=m.GPT2Config(**gpt2, add_cross_attention=True)
         ),
@@ -453,6 +486,13 @@ def test_every_model_built_in_code_writes_a_folder_transformers_loads(
         elif isinstance(model, rc.models.VisionEncoderDecoder):
             theirs = transformers.VisionEncoderDecoderModel.from_pretrained(tmp_path).eval()
             inputs, want = (pixels, ids), theirs(pixel_values=pixels, decoder_input_ids=ids).logits
+        elif hasattr(model.config, "image_tokens"):  # a vision-language model, one image a row
+            ids = torch.tensor(with_image(ids.numpy(), model.config.image_tokens))
+            theirs = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+            # Gemma 3's images see themselves both ways: its processor's token types say where.
+            types = {"token_type_ids": (ids == IMAGE).long()} if model_type == "gemma3" else {}
+            want = theirs(input_ids=ids, pixel_values=pixels, **types).logits
+            inputs = (ids, pixels[:, None])
         elif isinstance(model, rc.models.AbstractSeq2SeqLM):
             theirs = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
             inputs, want = (ids, ids), theirs(input_ids=ids, decoder_input_ids=ids).logits

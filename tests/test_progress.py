@@ -346,8 +346,8 @@ def test_every_long_install_in_nox_says_what_it_does(tmp_path, monkeypatch) -> N
         ("install", ("torch==2.13.0+cpu", "--no-deps"), False),
         ("log", "installing jaxlib 0.10.2 (2 of 2): " + noxfile.LARGE["jaxlib"]),
         ("install", ("jaxlib==0.10.2", "--no-deps"), False),
-        ("log", "installing redcoast with its test, hf and eval extras (2 more packages)"),
-        ("install", ("-e", ".[test,hf,eval]"), None),
+        ("log", "installing redcoast with its test, hf, eval and vision extras (2 more packages)"),
+        ("install", ("-e", ".[test,hf,eval,vision]"), None),
     ]
     assert installs[0] == ("log", "first the large packages, one at a time: torch, jaxlib")
     assert all("MB" in size for size in noxfile.LARGE.values())
@@ -355,8 +355,8 @@ def test_every_long_install_in_nox_says_what_it_does(tmp_path, monkeypatch) -> N
     again = _NoxSession(tmp_path, {})
     noxfile.tests(again)
     assert [d for d in again.did if d[0] != "run"] == [
-        ("log", "installing redcoast with its test, hf and eval extras"),
-        ("install", ("-e", ".[test,hf,eval]"), None),
+        ("log", "installing redcoast with its test, hf, eval and vision extras"),
+        ("install", ("-e", ".[test,hf,eval,vision]"), None),
     ]
     # Every session installs this way: whatever large package it brings is named first.
     every_large = dict.fromkeys(noxfile.LARGE, "1.0")

@@ -14,6 +14,7 @@ from . import quant as quant
 from . import rl as rl
 from . import sampling as sampling
 from . import text as text
+from . import vision as vision
 from ._folders import read_with as _read_with
 from .checkpoint._io import Checkpoint as Checkpoint
 from .checkpoint._io import CheckpointError as CheckpointError

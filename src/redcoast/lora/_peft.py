@@ -12,6 +12,7 @@ module is, so the names follow from them. PEFT's `lora_A` / `lora_B` are `(r, in
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -80,7 +81,9 @@ def _modules(model: Any) -> dict[str, tuple[Any, int | None, bool]]:
         if not m.per_layer or len(m.ours) != 1 or not m.ours[0].endswith(".weight"):
             continue
         linear = m.ours[0][: -len(".weight")]
-        blocks = getattr(model, m.stack)
+        blocks = functools.reduce(
+            getattr, m.stack.split("."), model
+        )  # a part's: `language_model.blocks`
         if isinstance(blocks, tuple):
             for i in range(len(blocks)):
                 out[f"{m.stack}.{i}.{linear}"] = (m, i, False)
@@ -89,10 +92,18 @@ def _modules(model: Any) -> dict[str, tuple[Any, int | None, bool]]:
     return {path: v for path, v in out.items() if path in linears}
 
 
-def _module(m: Any, i: int | None) -> str:
+def _module(model: Any, m: Any, i: int | None) -> str:
     """The `transformers` module whose weight the tensor map `m` maps (a
-    `redcoast.models.hf.TensorMap`), in layer `i` of its stack."""
-    return m.name(i).removesuffix(".weight")
+    `redcoast.models.hf.TensorMap`), in layer `i` of its stack: named as the module
+    transformers' class holds it (`hf_module`), which is what PEFT names."""
+    return _live(model, m.name(i)).removesuffix(".weight")
+
+
+def _live(model: Any, name: str) -> str:
+    """A checkpoint's tensor name as transformers' modules hold it (a LLaVA's
+    `language_model.model.` is `model.language_model.`)."""
+    rename = getattr(type(model), "hf_module", None)
+    return name if rename is None else rename(name)
 
 
 def _uniform(layers: list[tuple[str, LoRALinear]]) -> tuple[int, float, float]:
@@ -171,7 +182,7 @@ def save_peft(
             weight = np.asarray(to_host(getattr(layer, ours).weight), np.float32)
             rows = enumerate(weight) if stacked else [(index, weight)]
             for i, w in rows:
-                tensors[f"{_PREFIX}{_module(module, i)}.{theirs}.weight"] = w
+                tensors[f"{_PREFIX}{_module(model, module, i)}.{theirs}.weight"] = w
     targets = sorted({k[len(_PREFIX) :].rsplit(".", 2)[0] for k in tensors})
     config = {
         "peft_type": "LORA",
@@ -252,10 +263,14 @@ def load_peft(
     rank = int(config["r"])
     alpha = check_alpha(config.get("lora_alpha"), f"{root / CONFIG}: lora_alpha")
     dropout = float(config.get("lora_dropout") or 0.0)
-    tensors = load_file(str(root / WEIGHTS))
+    # Adapters saved before transformers 5 name some modules as the checkpoint does.
+    tensors = {
+        _PREFIX + _live(model, k.removeprefix(_PREFIX)): v
+        for k, v in load_file(str(root / WEIGHTS)).items()
+    }
     modules = _modules(model)
     by_name = {
-        _module(module, i): (path, i, stacked)
+        _module(model, module, i): (path, i, stacked)
         for path, (module, i, stacked) in modules.items()
         for i in ([i] if not stacked else range(_layers(model, path)))
     }

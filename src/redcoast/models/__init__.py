@@ -8,7 +8,10 @@ through a latent (`MLAttention`) -- loads from and saves to Hugging Face
 (`generate`). The encoder-decoders `T5` and `BART` do the same, and generate
 greedily, by sampling or by beam search (`generate_seq2seq`); so does the captioning model
 `VisionEncoderDecoder` (a `ViT` encoder and a GPT-2 decoder), from images, and the
-image classifier `ViTClassifier` loads and saves alike. `DiT`
+image classifier `ViTClassifier` loads and saves alike, and so do the vision towers of
+today's vision-language models (`CLIPVision`, `SiglipVision`) and `Llava`, a tower,
+a projector and any decoder of the zoo reading images in place of their tokens, and
+`Gemma3VL`, Gemma 3 with images (whose image tokens attend to each other both ways). `DiT`
 goes the other way: a text-conditioned diffusion transformer with a DDIM sampler.
 """
 
@@ -32,6 +35,9 @@ from .gemma import Gemma2 as Gemma2
 from .gemma import Gemma2Config as Gemma2Config
 from .gemma import Gemma3 as Gemma3
 from .gemma import Gemma3TextConfig as Gemma3TextConfig
+from .gemma3_vision import Gemma3Config as Gemma3Config
+from .gemma3_vision import Gemma3MultiModalProjector as Gemma3MultiModalProjector
+from .gemma3_vision import Gemma3VL as Gemma3VL
 from .generation import generate as generate
 from .gpt2 import GPT2 as GPT2
 from .gpt2 import GPT2Config as GPT2Config
@@ -50,6 +56,8 @@ from .layers import activation as activation
 from .layers import rotate as rotate
 from .llama import Llama as Llama
 from .llama import LlamaConfig as LlamaConfig
+from .llava import Llava as Llava
+from .llava import LlavaConfig as LlavaConfig
 from .loss import lm_loss as lm_loss
 from .loss import moe_lm_loss as moe_lm_loss
 from .loss import next_token_nll as next_token_nll
@@ -85,6 +93,11 @@ from .t5 import T5 as T5
 from .t5 import T5Config as T5Config
 from .vision_encoder_decoder import VisionEncoderDecoder as VisionEncoderDecoder
 from .vision_encoder_decoder import VisionEncoderDecoderConfig as VisionEncoderDecoderConfig
+from .vision_tower import CLIPVision as CLIPVision
+from .vision_tower import CLIPVisionConfig as CLIPVisionConfig
+from .vision_tower import SiglipVision as SiglipVision
+from .vision_tower import SiglipVisionConfig as SiglipVisionConfig
+from .vision_tower import VisionTower as VisionTower
 from .vit import ViT as ViT
 from .vit import ViTClassifier as ViTClassifier
 from .vit import ViTClassifierConfig as ViTClassifierConfig

@@ -187,6 +187,8 @@ def _check_type(config: str, field: str, value: Any, hint: Any) -> None:
     options = typing.get_args(hint) if union else (hint,)
     if value is None and type(None) in options:
         return
+    if isinstance(value, tuple) and any(typing.get_origin(t) is tuple for t in options):
+        return  # a list in config.json, read as a tuple (a LLaVA's feature layers)
     wanted = [t for t in options if t in _TYPES]
     if not wanted:  # a type this check does not know (the extras, a tuple): not checked
         return

@@ -26,12 +26,16 @@ class SavedTensors:
 
     Checkpoints of the bare base model (`GPT2Model`, `OPTModel`, ...), such as the
     original GPT-2 and OPT releases, name their tensors without the base model's
-    prefix (`h.0.ln_1.weight` for `transformer.h.0.ln_1.weight`); both are found.
+    prefix (`h.0.ln_1.weight` for `transformer.h.0.ln_1.weight`); both are found. So
+    are names another release of `transformers` writes: `aliases` pairs a prefix of
+    the names asked for with another it may be stored under (a LLaVA's
+    `vision_tower.` with `vision_tower.vision_model.`).
     """
 
-    def __init__(self, folder: Path, base_prefix: str):
+    def __init__(self, folder: Path, base_prefix: str, aliases: tuple[tuple[str, str], ...] = ()):
         self.folder = folder
         self.base_prefix = base_prefix
+        self.aliases = aliases
         self.used: set[str] = set()
         self._open: dict[Path, Any] = {}
         single, index = folder / SAFETENSORS, folder / INDEX
@@ -58,9 +62,17 @@ class SavedTensors:
         return isinstance(name, str) and self._stored(name) in self.where
 
     def _stored(self, name: str) -> str:
-        """The name `name` is stored under: itself, or without the base model's prefix."""
+        """The name `name` is stored under: itself, without the base model's prefix, or
+        with an alias of its prefix."""
+        if name in self.where:
+            return name
         bare = name.removeprefix(self.base_prefix)
-        return bare if name not in self.where and bare in self.where else name
+        if bare in self.where:
+            return bare
+        for ours, other in self.aliases:
+            if name.startswith(ours) and (stored := other + name[len(ours) :]) in self.where:
+                return stored
+        return name
 
     def get(self, name: str, needed_for: str) -> np.ndarray:
         name = self._stored(name)

@@ -8,10 +8,12 @@ from .bart import BART
 from .causal_lm import AbstractCausalLM
 from .deepseek import DeepseekV3
 from .gemma import Gemma2, Gemma3
+from .gemma3_vision import Gemma3VL
 from .gpt2 import GPT2
 from .gptj import GPTJ
 from .hf import LoadOptions, check_load_options, read_config
 from .llama import Llama
+from .llava import Llava
 from .mistral import Mistral, Mixtral
 from .opt import OPT
 from .phi3 import Phi3
@@ -19,6 +21,7 @@ from .qwen import Qwen2, Qwen3, Qwen3Moe
 from .seq2seq import AbstractSeq2SeqLM
 from .t5 import T5
 from .vision_encoder_decoder import VisionEncoderDecoder
+from .vision_tower import CLIPVision, SiglipVision, VisionTower
 from .vit import ViT, ViTClassifier
 
 _CLASSES = (
@@ -39,8 +42,14 @@ _CLASSES = (
     Gemma3,
     Phi3,
     DeepseekV3,
+    CLIPVision,
+    SiglipVision,
+    Llava,
+    Gemma3VL,
 )
-ZooModel = AbstractCausalLM | AbstractSeq2SeqLM | ViT | ViTClassifier
+ZooModel = (
+    AbstractCausalLM | AbstractSeq2SeqLM | ViT | ViTClassifier | VisionTower | Llava | Gemma3VL
+)
 """What `from_hf` returns: a model of the zoo."""
 
 ARCHITECTURES: dict[str, type[ZooModel]] = {cls.config_class.model_type: cls for cls in _CLASSES}
@@ -82,7 +91,9 @@ def from_hf(path: str | Path, **options: Unpack[LoadOptions]) -> ZooModel:
     `deepseek_v3` (DeepSeek-V3, Moonlight), and the encoder-decoders `t5` and `bart`,
     the image encoder `vit` (a `ViTClassifier` when `architectures` says
     `ViTForImageClassification`) and the captioning `vision-encoder-decoder` (ViT +
-    GPT-2) (`ARCHITECTURES`).
+    GPT-2), the vision towers `clip_vision_model` and `siglip_vision_model`, and the
+    vision-language models `llava` and `gemma3` (Gemma 3 with images; `gemma3_text`
+    is the text-only Gemma 3) (`ARCHITECTURES`).
 
     Args:
         path: the folder (config.json + safetensors).

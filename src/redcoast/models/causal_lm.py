@@ -10,6 +10,7 @@ generation, and the Hugging Face import/export; an architecture (`GPT2`, `Llama`
 """
 
 import abc
+import copy
 import dataclasses
 from typing import Any, ClassVar, NamedTuple
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
-from .._checks import check_range
+from .._checks import check_positive, check_range
 from ..nn import Implementation, RematPolicy, check_remat, table_dtype, tied_logits
 from ..parallel import fsdp
 from ..parallel.place import placement_hint
@@ -240,6 +241,8 @@ class AbstractCausalLM(hf.HFModel):
         *,
         positions: Int[Array, " seq"] | None = None,
         segment_ids: Int[Array, " seq"] | None = None,
+        inputs_embeds: Float[Array, "seq hidden"] | None = None,
+        bidirectional_groups: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "seq hidden"]:
         """The last block's output at every position of one sequence, before the final
         norm: what `output_head()` turns into logits (`rc.nn.map_logits` does so a few
@@ -252,15 +255,21 @@ class AbstractCausalLM(hf.HFModel):
                 one row restart theirs at 0 (`rc.text.packed`).
             segment_ids: which document each token belongs to; a token then attends
                 only to earlier tokens of its own document. Default: one document.
-            key: accepted for the Equinox calling convention; the models have no
-                dropout, so it is unused.
+            inputs_embeds: what the first block reads in place of `token_embeddings`
+                of `input_ids` (a vision-language model's, image features set in);
+                learned positions are still added. Default: the tokens' own.
+            bidirectional_groups: each token's group, -1 for none: the tokens of a
+                group also see each other's later positions (an image's tokens in
+                Gemma 3), within the sliding window (`layers.causal_mask`). Default:
+                causal attention alone.
 
         Returns:
             The hidden states, `(seq, hidden)`.
 
         Raises:
             ValueError: the sequence is longer than the position table (GPT-2, OPT),
-                or `positions` or `segment_ids` are not one per token.
+                or `positions`, `segment_ids` or `bidirectional_groups` are not one
+                per token.
             RuntimeError: when the computation runs, a token id is outside
                 `[0, vocab_size)`, or a position outside the position table (see
                 `redcoast._checks.check_range`).
@@ -277,7 +286,12 @@ class AbstractCausalLM(hf.HFModel):
                 f"{limit} positions (config max_position_embeddings / n_positions); the "
                 f"sequence length must be in [1, {limit}]. Truncate or split the sequence."
             )
-        for name, given in (("positions", positions), ("segment_ids", segment_ids)):
+        given_inputs = (
+            ("positions", positions),
+            ("segment_ids", segment_ids),
+            ("bidirectional_groups", bidirectional_groups),
+        )
+        for name, given in given_inputs:
             if given is not None and given.shape != input_ids.shape:
                 raise ValueError(
                     f"{type(self).__name__}: {name} of shape {given.shape} do not match "
@@ -295,14 +309,17 @@ class AbstractCausalLM(hf.HFModel):
                 f"{type(self).__name__}'s position table has {limit} positions.",
             )
         with placement_hint():
-            x = self._embed(input_ids, positions)
-            return self._run_blocks(x, positions, None, 0, segment_ids)[0]
+            x = self._embed(input_ids, positions, inputs_embeds)
+            return self._run_blocks(x, positions, None, 0, segment_ids, bidirectional_groups)[0]
 
     def decode(
         self,
         input_ids: Int[Array, " seq"],
         cache: Cache,
         index: Int[Array, ""] | int,
+        *,
+        inputs_embeds: Float[Array, "seq hidden"] | None = None,
+        bidirectional_groups: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq vocab"], Cache]:
         """The forward pass for tokens that continue a cached sequence.
 
@@ -310,6 +327,9 @@ class AbstractCausalLM(hf.HFModel):
             input_ids: the new tokens (the whole prompt first, then one per step).
             cache: from `init_cache`, holding the keys and values of positions `< index`.
             index: the position of `input_ids[0]`.
+            inputs_embeds: as for `hidden`.
+            bidirectional_groups: as for `hidden`, for the new tokens: a group lies
+                within one call (the prompt's images, given with the prompt).
 
         Returns:
             The logits of the new tokens and the cache with their keys and values.
@@ -336,7 +356,14 @@ class AbstractCausalLM(hf.HFModel):
                 f"{type(self).__name__}'s position table has {self.max_positions} positions.",
             )
         positions = index + jnp.arange(seq)
-        x, new, _ = self._run_blocks(self._embed(input_ids, positions), positions, cache, index)
+        if bidirectional_groups is not None and bidirectional_groups.shape != input_ids.shape:
+            raise ValueError(
+                f"{type(self).__name__}: bidirectional_groups of shape "
+                f"{bidirectional_groups.shape} do not match input_ids of shape "
+                f"{input_ids.shape}; give one per new token."
+            )
+        x = self._embed(input_ids, positions, inputs_embeds)
+        x, new, _ = self._run_blocks(x, positions, cache, index, None, bidirectional_groups)
         assert new is not None
         return self.output_head()(x), new
 
@@ -355,9 +382,64 @@ class AbstractCausalLM(hf.HFModel):
             return eqx.filter_vmap(lambda b: b.attn.init_cache(max_len, dtype))(self.blocks)
         return tuple(b.attn.init_cache(max_len, dtype) for b in self.blocks)
 
-    def _embed(
-        self, input_ids: Int[Array, " seq"], positions: Int[Array, " seq"]
-    ) -> Float[Array, "seq hidden"]:
+    def with_vocab_size(self, vocab_size: int) -> "AbstractCausalLM":
+        """The model with `vocab_size` token ids (a tokenizer's added tokens, such as a
+        vision-language model's `<image>`), as `transformers`' `resize_token_embeddings`:
+        the token table's rows (and an untied head's) kept up to `vocab_size`, new rows
+        the mean of the old ones, the config's `vocab_size` changed.
+
+        Raises:
+            ValueError: `vocab_size` is not an int >= 1.
+
+        Example:
+            >>> model = model.with_vocab_size(tokenizer.vocab_size + 1)   # an added <image>
+        """
+        check_positive("vocab_size", vocab_size, optional=False)
+        config = dataclasses.replace(self.config, vocab_size=vocab_size)
+        rows, old = config.padded_vocab_size, self.vocab_size
+
+        def resized(table: Array) -> Array:
+            kept = table[: min(vocab_size, old)]
+            mean = table[:old].astype(jnp.float32).mean(0, keepdims=True).astype(table.dtype)
+            new = jnp.broadcast_to(mean, (rows - kept.shape[0], *table.shape[1:]))
+            return jnp.concatenate([kept, new])
+
+        embed = eqx.nn.Embedding(weight=resized(self.embed_tokens.weight))
+        model = eqx.tree_at(lambda m: m.embed_tokens, copy.copy(self), embed)
+        if self.lm_head is not None:
+            head = self.lm_head
+            linear = eqx.nn.Linear(
+                head.in_features, rows, use_bias=head.bias is not None, key=jax.random.key(0)
+            )
+            bias = (
+                None
+                if head.bias is None
+                else jnp.concatenate(
+                    [
+                        head.bias[: min(vocab_size, old)],
+                        jnp.zeros((rows - min(vocab_size, old),), head.bias.dtype),
+                    ]
+                )
+            )
+            linear = eqx.tree_at(
+                lambda m: (m.weight, m.bias),
+                linear,
+                (resized(head.weight), bias),
+                is_leaf=lambda x: x is None,
+            )
+            model = eqx.tree_at(lambda m: m.lm_head, model, linear)
+        object.__setattr__(model, "config", config)  # static: the copy's own
+        return model
+
+    def token_embeddings(self, input_ids: Int[Array, " seq"]) -> Float[Array, "seq hidden"]:
+        """The tokens' rows of the token table, scaled as the model scales them
+        (`embedding_scale`), before any learned position is added: what `hidden`'s
+        `inputs_embeds` replaces.
+
+        Raises:
+            RuntimeError: when the computation runs, a token id is outside
+                `[0, vocab_size)`.
+        """
         # jnp indexing clamps: id 999 of a 50-token vocabulary would embed as id 49.
         input_ids = check_range(
             input_ids,
@@ -372,6 +454,25 @@ class AbstractCausalLM(hf.HFModel):
         if self.embedding_scale is not None:
             # In the table's dtype, as transformers scales Gemma's embeddings.
             x = x * jnp.asarray(self.embedding_scale, jnp.float32).astype(x.dtype)
+        return x
+
+    def _embed(
+        self,
+        input_ids: Int[Array, " seq"],
+        positions: Int[Array, " seq"],
+        inputs_embeds: Float[Array, "seq hidden"] | None = None,
+    ) -> Float[Array, "seq hidden"]:
+        width = self.embed_tokens.weight.shape[-1]
+        if inputs_embeds is None:
+            x = self.token_embeddings(input_ids)
+        elif inputs_embeds.shape != (*input_ids.shape, width):
+            raise ValueError(
+                f"{type(self).__name__}: inputs_embeds of shape {inputs_embeds.shape} for "
+                f"{input_ids.shape[0]} tokens; give one row of {width} features per token."
+            )
+        else:
+            x = inputs_embeds
+        use = fsdp.layouts(self)
         if self.embed_positions is not None:
             table = fsdp.gather(self.embed_positions, use.embed_positions)
             x = x + jax.vmap(table)(positions + self.position_offset)
@@ -411,6 +512,7 @@ class AbstractCausalLM(hf.HFModel):
         cache: Cache | None,
         index: Int[Array, ""] | int,
         segment_ids: Int[Array, " seq"] | None = None,
+        bidirectional_groups: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq hidden"], Cache | None, Any]:
         """The blocks on `x`: the hidden states, the new cache and the routers' logits
         (one per layer, a tuple or stacked; `None`s for dense MLPs)."""
@@ -436,7 +538,9 @@ class AbstractCausalLM(hf.HFModel):
             c, kind = per
             if kind is not None and not isinstance(kind, LayerAttention):
                 kind = (distinct, kind)
-            h, c, router = block.forward(h, positions, c, index, kind, segment_ids)
+            h, c, router = block.forward(
+                h, positions, c, index, kind, segment_ids, bidirectional_groups
+            )
             return h, (c, router)
 
         use = fsdp.layouts(self).blocks

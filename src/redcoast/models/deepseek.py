@@ -423,12 +423,19 @@ class DeepseekV3(AbstractCausalLM):
         return tuple(_stack_cache(b, max_len, dtype) for b in self._stacks())
 
     def decode(
-        self, input_ids: Int[Array, " seq"], cache: Any, index: Int[Array, ""] | int
+        self,
+        input_ids: Int[Array, " seq"],
+        cache: Any,
+        index: Int[Array, ""] | int,
+        *,
+        inputs_embeds: Float[Array, "seq hidden"] | None = None,
+        bidirectional_groups: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq vocab"], Any]:
         """The forward pass of tokens that continue a cached sequence (see
         `AbstractCausalLM.decode`), on `init_cache`'s pair of caches."""
         positions = index + jnp.arange(input_ids.shape[0])
-        x, new, _ = self._run_blocks(self._embed(input_ids, positions), positions, cache, index)
+        x = self._embed(input_ids, positions, inputs_embeds)
+        x, new, _ = self._run_blocks(x, positions, cache, index, None, bidirectional_groups)
         return self.output_head()(x), new
 
     def with_router_logits(
@@ -484,9 +491,19 @@ class DeepseekV3(AbstractCausalLM):
         cache: Any,
         index: Int[Array, ""] | int,
         segment_ids: Int[Array, " seq"] | None = None,
+        bidirectional_groups: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq hidden"], Any, Any]:
         """The dense then the MoE layers on `x`: the hidden states, the new pair of caches
-        (`None` without a cache) and the MoE layers' router logits (a tuple or stacked)."""
+        (`None` without a cache) and the MoE layers' router logits (a tuple or stacked).
+
+        Raises:
+            ValueError: `bidirectional_groups` given: the latent attention is causal only.
+        """
+        if bidirectional_groups is not None:
+            raise ValueError(
+                f"{type(self).__name__}'s latent attention is causal only; it takes no "
+                "bidirectional_groups. Call it without them."
+            )
         # The cached (decoding) path computes no gradients: nothing to rematerialise.
         policy = self.remat if cache is None else "none"
         use = fsdp.layouts(self)

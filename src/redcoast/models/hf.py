@@ -201,11 +201,40 @@ class HFModel(eqx.Module):
     # original's (a tied head's `lm_head.weight` -> the token table): not read while
     # the model ties them, and compared with the original on loading (`stored_config`).
     tied_hf_tensors: ClassVar[Mapping[str, str]] = {}
+    # (prefix, another prefix a checkpoint may store the same tensors under): names that
+    # releases of transformers spell differently, read either way, written the first.
+    hf_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # (checkpoint prefix, module prefix): where transformers' class holds a tensor when
+    # that differs from the name it saves it under (see `hf_module`).
+    hf_modules: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    @classmethod
+    def hf_module(cls, name: str) -> str:
+        """The dotted path of the module holding the checkpoint's tensor `name` in
+        `transformers`' class: what PEFT names an adapter after. The name itself,
+        except where transformers renames on loading (a LLaVA's `language_model.model.`
+        is `model.language_model.`).
+
+        Example:
+            >>> Llava.hf_module("language_model.model.layers.0.self_attn.q_proj.weight")
+            'model.language_model.layers.0.self_attn.q_proj.weight'
+        """
+        for saved, held in cls.hf_modules:
+            if name.startswith(saved):
+                return held + name[len(saved) :]
+        return name
 
     @classmethod
     @abc.abstractmethod
     def hf_tensors(cls, config: Any) -> list[TensorMap]:
         """How this architecture's arrays map to a `transformers` checkpoint's tensors."""
+
+    @classmethod
+    def tied_copies(cls, config: Any) -> Mapping[str, str]:
+        """The tied copies a checkpoint of `config` may store, copy -> original:
+        `tied_hf_tensors`, or those of a part (a vision-language model's decoder)."""
+        del config
+        return cls.tied_hf_tensors
 
     @classmethod
     def untied(cls, config: Any) -> Any | None:
@@ -321,7 +350,7 @@ def load(cls: Any, path: str | Path, **options: Unpack[LoadOptions]) -> Any:
     config = dataclasses.replace(cls.config_class.from_dict(values), vocab_multiple=vocab_multiple)
     if hasattr(config, "vocab_size"):  # a ViT has no vocabulary
         config.padded_vocab_size  # noqa: B018 - checks vocab_multiple before anything is read
-    checkpoint = SavedTensors(folder, cls.hf_base_prefix)
+    checkpoint = SavedTensors(folder, cls.hf_base_prefix, cls.hf_aliases)
     config = cls.stored_config(config, checkpoint)
     skeleton = eqx.filter_eval_shape(
         cls, config, scan_layers=scan_layers, remat=remat, key=jax.random.key(0)
@@ -463,7 +492,7 @@ def _differing_copies(cls: Any, config: Any, checkpoint: SavedTensors) -> dict[s
     read = {m.hf for m in cls.hf_tensors(config)}
     return {
         copy: original
-        for copy, original in cls.tied_hf_tensors.items()
+        for copy, original in cls.tied_copies(config).items()
         if copy not in read
         and copy in checkpoint
         and original in checkpoint

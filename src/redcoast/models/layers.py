@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 
 from .._checks import check_range
 from ..nn import Implementation, Norm, attention, check_implementation, dense, normalise
@@ -45,6 +45,11 @@ def gelu_tanh(x: Array) -> Array:
     return jax.nn.gelu(x, approximate=True)
 
 
+def quick_gelu(x: Array) -> Array:
+    """CLIP's GELU approximation, `x * sigmoid(1.702 x)` (Hugging Face's `"quick_gelu"`)."""
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
 # Named module-level functions (not lambdas or partials) so that two models built
 # from the same config compare equal as static pytree data and share compilations.
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
@@ -52,6 +57,7 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "gelu_new": gelu_tanh,
     "gelu_pytorch_tanh": gelu_tanh,
     "gelu_fast": gelu_tanh,
+    "quick_gelu": quick_gelu,
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
@@ -140,6 +146,42 @@ class LayerAttention:
 PerLayer = LayerAttention | tuple[tuple[LayerAttention, ...], Int[Array, ""]]
 """A layer's `LayerAttention`, or the distinct ones of a model and this layer's index
 among them (an array: scanned layers of different kinds pick theirs with `lax.switch`)."""
+
+
+def causal_mask(
+    query: Int[Array, "seq 1"],
+    slots: Int[Array, "1 kv_seq"],
+    window: int | None,
+    groups: Int[Array, " seq"] | None = None,
+    kv_groups: Int[Array, " kv_seq"] | None = None,
+) -> Bool[Array, "seq kv_seq"]:
+    """Which key slots each query sees: its own and earlier ones, and, given `groups`,
+    every slot of its group (`transformers`' `block_sequence_ids`: tokens with the same
+    group id >= 0 see each other both ways, -1 is no group), all within the sliding
+    `window` of the most recent positions (which a group's later tokens always are).
+
+    Args:
+        query: each query's slot, a column.
+        slots: the keys' slots, a row.
+        window: the sliding window, or `None`.
+        groups: each query's group; default: no groups, the causal mask alone.
+        kv_groups: each key slot's group; default: `groups` (keys are the queries).
+
+    Returns:
+        The mask, `True` where the query sees the key.
+
+    Example:
+        >>> at = jnp.arange(4)
+        >>> causal_mask(at[:, None], at[None, :], None, jnp.array([-1, 0, 0, -1]))[1, 2]
+        Array(True, dtype=bool)
+    """
+    visible = slots <= query
+    if groups is not None:
+        theirs = groups if kv_groups is None else kv_groups
+        visible = visible | ((groups[:, None] == theirs[None, :]) & (groups[:, None] >= 0))
+    if window is not None:
+        visible = visible & (slots > query - window)
+    return visible
 
 
 class Attention(eqx.Module):
@@ -245,20 +287,39 @@ class Attention(eqx.Module):
         positions: Real[Array, " seq"] | None = None,
         layer: PerLayer | None = None,
         segment_ids: Int[Array, " seq"] | None = None,
+        bidirectional_groups: Int[Array, " seq"] | None = None,
     ) -> Float[Array, "seq hidden"]:
         """Attend causally within `x`, and within each document when `segment_ids` say
-        which one each token belongs to; `positions` default to `0, 1, ..., seq - 1`."""
+        which one each token belongs to; `positions` default to `0, 1, ..., seq - 1`.
+
+        `bidirectional_groups` (see `causal_mask`): the tokens of a group also
+        see each other's later positions (an image's tokens in Gemma 3), a mask that
+        the `"cudnn"` and `"pallas"` kernels do not take."""
         pos = jnp.arange(x.shape[0]) if positions is None else positions
         q, k, v = self._qkv(x)
+        if bidirectional_groups is not None and self.implementation in ("cudnn", "pallas"):
+            raise ValueError(
+                "Attention: bidirectional_groups make a (query, key) mask, which "
+                f"implementation={self.implementation!r} does not take; build the model with "
+                "attention='auto', 'einsum' or 'blockwise'."
+            )
 
         def attend(kind: LayerAttention, q: Array, k: Array, v: Array) -> Array:
             q, k = self._rotate(kind, q, k, pos)
+            causal, window, mask = True, kind.window, None
+            if bidirectional_groups is not None:
+                slots = jnp.arange(x.shape[0])
+                causal, window = False, None
+                mask = causal_mask(
+                    slots[:, None], slots[None, :], kind.window, bidirectional_groups
+                )
             return attention(
                 q,
                 k,
                 v,
-                causal=True,
-                window=kind.window,
+                causal=causal,
+                mask=mask,
+                window=window,
                 scale=self.scale,
                 softcap=self.softcap,
                 segment_ids=segment_ids,
@@ -276,6 +337,7 @@ class Attention(eqx.Module):
         cache: KVCache,
         index: Int[Array, ""] | int,
         layer: PerLayer | None = None,
+        bidirectional_groups: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq hidden"], KVCache]:
         """Attend from `x` to everything cached so far plus `x` itself, and cache `x`'s keys.
 
@@ -285,6 +347,8 @@ class Attention(eqx.Module):
             cache: keys and values of earlier tokens, in slots `[0, index)`.
             index: the slot of `x[0]`; `x` is written to slots `[index, index + seq)`.
             layer: this layer's window and rotation, when not the module's own.
+            bidirectional_groups: `x`'s groups (see `causal_mask`), whose tokens
+                also see each other's later positions; a group lies within one call.
 
         Returns:
             The attention output and the cache with `x`'s keys and values written.
@@ -320,9 +384,11 @@ class Attention(eqx.Module):
             # sliding window, the window's most recent ones); later slots are empty.
             slots = jnp.arange(keys.shape[0])[None, :]
             query = (index + jnp.arange(seq))[:, None]
-            visible = slots <= query
-            if kind.window is not None:
-                visible = visible & (slots > query - kind.window)
+            in_slots = None
+            if bidirectional_groups is not None:
+                empty = jnp.full(keys.shape[:1], -1, bidirectional_groups.dtype)
+                in_slots = jax.lax.dynamic_update_slice(empty, bidirectional_groups, (index,))
+            visible = causal_mask(query, slots, kind.window, bidirectional_groups, in_slots)
             out = attention(
                 q,
                 keys.astype(q.dtype),
@@ -497,8 +563,10 @@ class DecoderBlock(eqx.Module):
         index: Int[Array, ""] | int = 0,
         layer: PerLayer | None = None,
         segment_ids: Int[Array, " seq"] | None = None,
+        bidirectional_groups: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq hidden"], KVCache | None, Float[Array, "seq experts"] | None]:
-        """`__call__` with this layer's attention kind, also returning the router's logits.
+        """`__call__` with this layer's attention kind, also returning the router's logits;
+        `bidirectional_groups` as for `Attention` (with or without a cache).
 
         Returns:
             The new hidden states, the cache (or `None`), and the MoE router's logits
@@ -506,9 +574,9 @@ class DecoderBlock(eqx.Module):
         """
         h = apply_norm(self.attn_norm, x)
         if cache is None:
-            attn = self.attn(h, positions, layer, segment_ids)
+            attn = self.attn(h, positions, layer, segment_ids, bidirectional_groups)
         else:
-            attn, cache = self.attn.cached(h, positions, cache, index, layer)
+            attn, cache = self.attn.cached(h, positions, cache, index, layer, bidirectional_groups)
         if self.post_attn_norm is not None:
             attn = apply_norm(self.post_attn_norm, attn)
         if self.mlp_norm is None:

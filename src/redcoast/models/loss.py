@@ -30,6 +30,7 @@ def next_token_nll(
     *,
     segment_ids: Int[ArrayLike, "batch seq"] | None = None,
     positions: Int[ArrayLike, "batch seq"] | None = None,
+    pixel_values: Float[ArrayLike, "batch images channels height width"] | None = None,
     chunk_tokens: int | Literal["auto"] | None = None,
 ) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
     """Each row's summed next-token negative log-likelihood, and how many tokens it counts.
@@ -49,6 +50,8 @@ def next_token_nll(
         segment_ids: which document each token belongs to (packed rows); a token
             whose document differs from the one before it is not a target.
         positions: each token's position within its document.
+        pixel_values: each row's images, for a vision-language model (`rc.models.Llava`),
+            called with them as a keyword.
         chunk_tokens: tokens of a row whose logits are computed at once, each chunk's
             again in the backward pass (see `rc.nn.map_logits`); `"auto"`: chosen by
             the vocabulary and length; None (default): the whole rows at once.
@@ -72,6 +75,14 @@ def next_token_nll(
                 f"next_token_nll: {name} of shape {given.shape} do not match input_ids of "
                 f"shape {ids.shape}; give one per token."
             )
+    if pixel_values is not None:
+        pixels = jnp.asarray(pixel_values)
+        if pixels.shape[:1] != ids.shape[:1]:
+            raise ValueError(
+                f"next_token_nll: pixel_values of shape {pixels.shape} for {ids.shape[0]} rows; "
+                "give each row its images, (batch, images, channels, height, width)."
+            )
+        extra["pixel_values"] = pixels
     # The model reads whole rows, a length that splits evenly over devices (context
     # parallelism) and is the one the rows were made with. Position t is scored on token
     # t + 1 in float32, the zoo's logits a chunk of tokens at a time at large
@@ -108,7 +119,8 @@ def lm_loss(
     Args:
         model: as for `next_token_nll`.
         batch: `{"input_ids": (batch, seq)}` and optionally `"loss_mask"`,
-            `"segment_ids"` and `"positions"` (`rc.text.collate` of `rc.text` rows).
+            `"segment_ids"` and `"positions"` (`rc.text.collate` of `rc.text` rows),
+            and a vision-language model's `"pixel_values"` (`rc.vision.collate`).
         key: unused (the zoo's decoders have no dropout); there for `fit`'s signature.
         chunk_tokens: as for `next_token_nll` (`functools.partial(lm_loss,
             chunk_tokens="auto")` is a `loss_fn` that scores the logits in chunks).
@@ -126,6 +138,7 @@ def lm_loss(
         batch.get("loss_mask"),
         segment_ids=batch.get("segment_ids"),
         positions=batch.get("positions"),
+        pixel_values=batch.get("pixel_values"),
         chunk_tokens=chunk_tokens,
     )
     total = count.sum()

@@ -85,6 +85,24 @@ def _caption_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> ja
     return cross_entropy(logits, ids[:, 1:]).mean()
 
 
+def _vlm_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
+    """Rows of `seq_len` tokens opening with one image's placeholders (a blank image of
+    the tower's size: the memory and FLOPs of a step do not depend on the pixels)."""
+    del key
+    c = model.config
+    v, n = c.vision_config, c.image_tokens
+    ids = batch["input_ids"]
+    if ids.shape[1] <= n + 1:
+        raise ValueError(
+            f"seq_len={ids.shape[1]} leaves no text beside an image's {n} tokens; plan a "
+            f"{type(model).__name__} with seq_len above {n + 1}."
+        )
+    ids = ids.at[:, :n].set(c.image_token_index)
+    pixels = jnp.zeros((ids.shape[0], 1, v.num_channels, v.image_size, v.image_size))
+    logits = jax.vmap(model)(ids[:, :-1], pixels)
+    return cross_entropy(logits, ids[:, 1:]).mean()
+
+
 def _dit_loss(model: Any, batch: dict[str, jax.Array], key: jax.Array) -> jax.Array:
     """The noise-prediction loss of prompts of `seq_len` token ids, each with an image of
     the DiT's size (blank: the memory and FLOPs of a step do not depend on the pixels)."""
@@ -157,27 +175,35 @@ def planned(
 
     seq2seq = issubclass(cls, AbstractSeq2SeqLM)
     captions = issubclass(cls, VisionEncoderDecoder)
+    images = hasattr(config, "vision_config")  # a vision-language model
     heads = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
-    text = getattr(config, "decoder", config) if captions else config  # the GPT-2's
-    loss = _caption_loss if captions else _seq2seq_loss if seq2seq else planner.next_token_loss
+    # The decoder's heads and positions: a captioner's GPT-2, a vision-language model's.
+    text = getattr(config, "decoder", None) or getattr(config, "text_config", config)
+    loss = planner.next_token_loss
+    if captions or seq2seq or images:
+        loss = _caption_loss if captions else _vlm_loss if images else _seq2seq_loss
     return planner.PlannedModel(
         name,
         build,
         loss_fn=loss,
-        whole_rows_loss=_whole_rows_loss,
+        whole_rows_loss=_vlm_loss if images else _whole_rows_loss,
         example_call=cls.trace_call,
         heads=_first_int(text, heads),
         positions=_first_int(text, ("max_position_embeddings", "n_positions")),
         no_context_parallel=(
             "context parallelism splits the decoders' causal attention (GPT-2, OPT, GPT-J, "
-            "LLaMA); an encoder-decoder's masks cannot be split. Plan it with "
-            "sequence_parallel (--sequence-parallel) instead."
-            if seq2seq
+            "LLaMA); an encoder-decoder's or a vision-language model's inputs cannot be "
+            "split. Plan it with sequence_parallel (--sequence-parallel) instead."
+            if seq2seq or images
             else None
         ),
-        no_sampling=_NO_SAMPLING.format(f"{name}, an encoder-decoder")
-        if seq2seq or captions
-        else None,
+        no_sampling=(
+            _NO_SAMPLING.format(f"{name}, an encoder-decoder")
+            if seq2seq or captions
+            else _NO_SAMPLING.format(f"{name}, which reads images")
+            if images
+            else None
+        ),
     )
 
 

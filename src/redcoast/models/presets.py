@@ -2,8 +2,9 @@
 BART and T5 (the original T5 1.0: `t5-xxl` is the 11B model), and of today's
 checkpoints: Llama 3.1 8B, Llama 3.2 1B and 3B, Qwen 2.5 7B, Qwen 3 8B, Mistral 7B (v0.1,
 with its sliding window), Mixtral 8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B, Gemma 2 9B,
-Phi-3 mini (4k), DeepSeek-V3 (671B, without its multi-token-prediction layer) and
-Moonlight-16B-A3B.
+Gemma 3 4B (with images: its SigLIP so400m tower at 896 pixels), Phi-3 mini (4k),
+DeepSeek-V3 (671B, without its multi-token-prediction layer), Moonlight-16B-A3B, and
+LLaVA-1.5 7B (CLIP ViT-L/14 at 336 pixels and Vicuna 7B).
 
 `preset("llama-7b")` gives the class and config of that model, as its
 `config.json` on the Hugging Face hub has them, so a model can be planned
@@ -17,16 +18,19 @@ from typing import Any
 
 from .bart import BART, BARTConfig
 from .deepseek import DeepseekV3, DeepseekV3Config
-from .gemma import Gemma2, Gemma2Config
+from .gemma import Gemma2, Gemma2Config, Gemma3TextConfig
+from .gemma3_vision import Gemma3Config, Gemma3VL
 from .gpt2 import GPT2, GPT2Config
 from .gptj import GPTJ, GPTJConfig
 from .hf import HFConfig
 from .llama import Llama, LlamaConfig
+from .llava import Llava, LlavaConfig
 from .mistral import Mistral, MistralConfig, Mixtral, MixtralConfig
 from .opt import OPT, OPTConfig
 from .phi3 import Phi3, Phi3Config
 from .qwen import Qwen2, Qwen2Config, Qwen3, Qwen3Config, Qwen3Moe, Qwen3MoeConfig
 from .t5 import T5, T5Config
+from .vision_tower import CLIPVisionConfig, SiglipVisionConfig
 
 
 def _opt(hidden: int, layers: int, heads: int) -> OPTConfig:
@@ -199,6 +203,33 @@ _TODAY: dict[str, tuple[type[Any], HFConfig]] = {
             sliding_window=4096,
         ),
     ),
+    "gemma-3-4b": (
+        Gemma3VL,
+        Gemma3Config(
+            vision_config=SiglipVisionConfig(
+                hidden_size=1152,
+                intermediate_size=4304,
+                num_hidden_layers=27,
+                num_attention_heads=16,
+                image_size=896,
+                patch_size=14,
+                vision_use_head=False,
+            ),
+            text_config=Gemma3TextConfig(
+                vocab_size=262208,
+                hidden_size=2560,
+                intermediate_size=10240,
+                num_hidden_layers=34,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=256,
+                query_pre_attn_scalar=256,
+                sliding_window=1024,
+                rope_scaling={"rope_type": "linear", "factor": 8.0},
+            ),
+            mm_tokens_per_image=256,
+        ),
+    ),
     "phi-3-mini": (
         Phi3,
         Phi3Config(
@@ -254,6 +285,20 @@ _TODAY: dict[str, tuple[type[Any], HFConfig]] = {
 }
 
 
+# LLaVA-1.5 7B (llava-hf/llava-1.5-7b-hf): CLIP ViT-L/14 at 336 pixels, Vicuna-7B.
+_LLAVA_15 = LlavaConfig(
+    vision_config=CLIPVisionConfig(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        image_size=336,
+        patch_size=14,
+    ),
+    text_config=dataclasses.replace(_llama(4096, 11008, 32, 32, positions=4096), vocab_size=32064),
+    image_token_index=32000,
+)
+
 PRESETS: dict[str, tuple[type[Any], HFConfig]] = {
     "gpt2": (GPT2, GPT2Config()),
     "gpt2-medium": (GPT2, GPT2Config(n_embd=1024, n_layer=24, n_head=16)),
@@ -277,6 +322,7 @@ PRESETS: dict[str, tuple[type[Any], HFConfig]] = {
         T5Config(d_model=1024, d_kv=128, d_ff=65536, num_layers=24, num_heads=128),
     ),
     **_TODAY,
+    "llava-1.5-7b": (Llava, _LLAVA_15),
 }
 """Preset name -> (model class, config)."""
 

@@ -97,20 +97,22 @@ def blank_image(config: ViTConfig) -> Array:
     return jnp.asarray(np.zeros((c.num_channels, c.image_size, c.image_size), np.float32))
 
 
-def check_pixels(pixel_values: Array, config: ViTConfig, what: str = "pixel_values") -> None:
-    """Raise a `ValueError` unless `pixel_values` is one float image of the config's size."""
+def check_pixels(pixel_values: Array, config: Any, what: str = "pixel_values") -> None:
+    """Raise a `ValueError` unless `pixel_values` is one float image of the config's size
+    (`num_channels`, `image_size`: a `ViTConfig`'s, or a vision tower's)."""
     c = config
+    model = type(config).__name__.removesuffix("Config")
     want = (c.num_channels, c.image_size, c.image_size)
     if not hasattr(pixel_values, "shape") or tuple(pixel_values.shape) != want:
         got = getattr(pixel_values, "shape", type(pixel_values).__name__)
         raise ValueError(
-            f"{what} of shape {got}: the ViT takes one image of shape {want} (channels, "
+            f"{what} of shape {got}: {model} takes one image of shape {want} (channels, "
             "height, width), as transformers' image processors give; vmap over a batch, "
             f"and resize images to {c.image_size}x{c.image_size}."
         )
     if not jnp.issubdtype(pixel_values.dtype, jnp.floating):
         raise ValueError(
-            f"{what} are {pixel_values.dtype}; the ViT takes floating-point pixels. "
+            f"{what} are {pixel_values.dtype}; {model} takes floating-point pixels. "
             "Convert the image, e.g. `x.astype(jnp.float32) / 255`, normalised as in training."
         )
 

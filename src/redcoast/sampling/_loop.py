@@ -72,13 +72,17 @@ def decode(
     *,
     parallelism: Parallelism,
     num_samples: int,
+    inputs: dict[str, Array] | None = None,
     **settings: Any,
 ) -> tuple[Int[Array, "rows new"], Int[Array, " rows"]]:
     """`num_samples` continuations of each prompt and each one's length (to its first
     `eos_id`, included); row `b * num_samples + g` continues prompt `b`.
 
-    `settings`: `max_new_tokens`, `warpers`, `eos_id` and `use_cache`, as `sample` takes them.
+    `inputs`: the model's keywords beside the ids, one row per prompt (`sample`'s
+    `prompt_inputs`). `settings`: `max_new_tokens`, `warpers`, `eos_id` and
+    `use_cache`, as `sample` takes them.
     """
+    inputs = {} if inputs is None else inputs
     split, shards = _row_split(prompt)
     sizes = [prompt.shape[0] * num_samples]
     if settings["eos_id"] is not None and not _traced(model, prompt, lengths, key):
@@ -87,7 +91,9 @@ def decode(
             sizes.append(half)
     floors = [*sizes[1:], 0]  # a segment ends once its live rows fit the next size
     run = functools.partial(_start, parallelism=parallelism, **settings)
-    out, t, rows, live = run(model, prompt, lengths, key, num_samples=num_samples, floor=floors[0])
+    out, t, rows, live = run(
+        model, prompt, lengths, key, inputs, num_samples=num_samples, floor=floors[0]
+    )
     for size, floor in zip(sizes[1:], floors[1:], strict=True):
         # Replicated scalars: every process reads the same and takes the same path.
         at, left = (int(x) for x in jax.device_get((t, live)))
@@ -104,6 +110,7 @@ def _start(
     prompt: Int[Array, "batch prompt"],
     lengths: Int[Array, " batch"],
     key: PRNGKeyArray,
+    inputs: dict[str, Array],
     *,
     parallelism: Parallelism,
     num_samples: int,
@@ -122,7 +129,7 @@ def _start(
     prompt = jnp.where(jnp.arange(prompt_len)[None, :] < lengths[:, None], prompt, 0)
     prefill = _prefill_cached if use_cache else _prefill_uncached
     with parallelism.applied(model) as (model, _):
-        first, state = prefill(model, prompt, lengths, prompt_len + max_new_tokens)
+        first, state = prefill(model, prompt, lengths, prompt_len + max_new_tokens, inputs)
         first, state, lengths = jax.tree.map(
             lambda x: jnp.repeat(x, num_samples, axis=0), (first, state, lengths)
         )
@@ -251,14 +258,19 @@ def _traced(*trees: Any) -> bool:
 
 
 def _prefill_cached(
-    model: CausalLM, prompt: Int[Array, "batch prompt"], lengths: Int[Array, " batch"], total: int
+    model: CausalLM,
+    prompt: Int[Array, "batch prompt"],
+    lengths: Int[Array, " batch"],
+    total: int,
+    inputs: dict[str, Array],
 ) -> tuple[Float[Array, "batch vocab"], Any]:
-    """The logits after each prompt and the cache filled with it."""
+    """The logits after each prompt and the cache filled with it (the model reads the
+    prompts' `inputs` here, and only here)."""
     one = model.init_cache(total)
     cache = jax.tree.map(lambda c: jnp.zeros((prompt.shape[0], *c.shape), c.dtype), one)
     # Right padding is harmless: slots past a row's length are masked now and
     # overwritten by that row's generated tokens before any query can see them.
-    logits, cache = jax.vmap(model.decode, in_axes=(0, 0, None))(prompt, cache, 0)
+    logits, cache = jax.vmap(lambda p, c, x: model.decode(p, c, 0, **x))(prompt, cache, inputs)
     return logits[jnp.arange(prompt.shape[0]), lengths - 1], cache
 
 
@@ -270,22 +282,29 @@ def _feed_cached(
 
 
 def _prefill_uncached(
-    model: CausalLM, prompt: Int[Array, "batch prompt"], lengths: Int[Array, " batch"], total: int
-) -> tuple[Float[Array, "batch vocab"], Int[Array, "batch total"]]:
-    """As `_prefill_cached`, with the ids so far as the state: `_feed_uncached` runs the
-    whole sequence through the model at every step (what the cache saves: a baseline
-    for benchmarks)."""
+    model: CausalLM,
+    prompt: Int[Array, "batch prompt"],
+    lengths: Int[Array, " batch"],
+    total: int,
+    inputs: dict[str, Array],
+) -> tuple[Float[Array, "batch vocab"], tuple[Int[Array, "batch total"], dict[str, Array]]]:
+    """As `_prefill_cached`, with the ids so far (and the prompts' inputs) as the state:
+    `_feed_uncached` runs the whole sequence through the model at every step (what
+    the cache saves: a baseline for benchmarks)."""
     batch, prompt_len = prompt.shape
     ids = jnp.zeros((batch, total), prompt.dtype).at[:, :prompt_len].set(prompt)
-    return _logits_at(model, ids, lengths - 1), ids
+    return _logits_at(model, ids, lengths - 1, inputs), (ids, inputs)
 
 
 def _feed_uncached(
-    model: CausalLM, ids: Int[Array, "rows total"], token: Int[Array, " rows"], pos: Array
-) -> tuple[Float[Array, "rows vocab"], Int[Array, "rows total"]]:
+    model: CausalLM, state: tuple[Array, dict[str, Array]], token: Int[Array, " rows"], pos: Array
+) -> tuple[Float[Array, "rows vocab"], tuple[Array, dict[str, Array]]]:
+    ids, inputs = state
     ids = ids.at[jnp.arange(ids.shape[0]), pos].set(token.astype(ids.dtype))
-    return _logits_at(model, ids, pos), ids
+    return _logits_at(model, ids, pos, inputs), (ids, inputs)
 
 
-def _logits_at(model: CausalLM, ids: Array, pos: Array) -> Float[Array, "rows vocab"]:
-    return jax.vmap(lambda s, p: model(s)[p])(ids, pos)
+def _logits_at(
+    model: CausalLM, ids: Array, pos: Array, inputs: dict[str, Array]
+) -> Float[Array, "rows vocab"]:
+    return jax.vmap(lambda s, p, x: model(s, **x)[p])(ids, pos, inputs)

@@ -1,6 +1,7 @@
 """`sample` and `generate`: the settings checked, the prompts made arrays, the loop run."""
 
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +45,7 @@ def sample(
     top_p: float | None = None,
     min_p: float | None = None,
     eos_id: int | None = None,
+    prompt_inputs: Mapping[str, Any] | None = None,
 ) -> Samples:
     """`num_samples` continuations of each prompt, each prompt prefilled once for all of them.
 
@@ -77,6 +79,9 @@ def sample(
             (Nguyen et al. 2024). The filters apply in `transformers`' order:
             temperature, top-k, top-p, min-p.
         eos_id: a row that produced this token is finished and emits only it.
+        prompt_inputs: what the model reads beside the prompts' ids, as keywords of
+            its `decode` (and `__call__`): arrays with one row per prompt, such as a
+            vision-language model's `{"pixel_values": images}`. Default: none.
 
     Returns:
         `Samples(tokens, lengths)`, `batch * num_samples` rows.
@@ -110,6 +115,7 @@ def sample(
         warpers=Warpers(temperature, top_k, top_p, min_p),
         eos_id=eos_id,
         use_cache=True,
+        prompt_inputs=prompt_inputs,
     )
     return Samples(tokens, lengths)
 
@@ -126,6 +132,7 @@ def generate(
     eos_id: int | None = None,
     key: PRNGKeyArray | None = None,
     use_cache: bool = True,
+    prompt_inputs: Mapping[str, Any] | None = None,
 ) -> Int[Array, "batch new"]:
     """Continue a batch of prompts, one token at a time, with a key/value cache.
 
@@ -151,6 +158,7 @@ def generate(
         key: for sampling; required when `temperature > 0`.
         use_cache: `False` runs the whole sequence through the model at every step
             (the same tokens, more FLOPs; a baseline for benchmarks).
+        prompt_inputs: as for `sample` (a vision-language model's images).
 
     Returns:
         The new tokens, `(batch, max_new_tokens)` (the prompt not included).
@@ -180,6 +188,7 @@ def generate(
         warpers=Warpers(temperature, top_k, top_p, None),
         eos_id=eos_id,
         use_cache=use_cache,
+        prompt_inputs=prompt_inputs,
     )
     return tokens
 
@@ -193,6 +202,7 @@ def _run(
     max_new_tokens: int,
     warpers: Warpers,
     eos_id: int | None,
+    prompt_inputs: Mapping[str, Any] | None,
     **settings: Any,
 ) -> tuple[Int[Array, "rows new"], Int[Array, " rows"]]:
     """The settings and prompts checked, then the compiled loop."""
@@ -229,6 +239,14 @@ def _run(
             f"the prompt ({prompt_len} tokens) plus max_new_tokens={max_new_tokens} exceed "
             f"the {limit} positions of {type(model).__name__}'s position table."
         )
+    inputs = dict(prompt_inputs or {})
+    for name, value in inputs.items():
+        rows = getattr(value, "shape", (None,))[:1]
+        if rows != (batch,):
+            raise ValueError(
+                f"prompt_inputs[{name!r}] has shape {getattr(value, 'shape', None)}; give "
+                f"one row per prompt, {batch} rows (the prompts' batch) first."
+            )
     return decode(
         model,
         prompt,
@@ -238,6 +256,7 @@ def _run(
         warpers=warpers,
         eos_id=eos_id,
         parallelism=Parallelism.of(model),
+        inputs={k: jnp.asarray(v) for k, v in inputs.items()},
         **settings,
     )
 

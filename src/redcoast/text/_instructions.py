@@ -55,11 +55,8 @@ def read_records(
 
 
 def chat_ids(tok: Tokenizer, messages: Any, where: str) -> tuple[list[int], list[bool]]:
-    """A conversation through the chat template; the loss counts the assistant's turns.
-
-    Each assistant turn's tokens are found as the difference between the rendered
-    conversation up to that turn and the one before it with the generation prompt.
-    """
+    """A conversation through the chat template; the loss counts the assistant's turns
+    (see `assistant_ids`)."""
     hf = tok.hf
     if hf is None or not getattr(hf, "chat_template", None):
         raise ValueError(
@@ -73,19 +70,31 @@ def chat_ids(tok: Tokenizer, messages: Any, where: str) -> tuple[list[int], list
             f"{where}: messages must be a list of {{'role': ..., 'content': str}} dicts."
         )
 
-    def render(ms: list[Any], generation_prompt: bool = False) -> list[int]:
+    def render(ms: list[Any], generation_prompt: bool) -> list[int]:
         return list(
             hf.apply_chat_template(
                 ms, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
             )
         )
 
-    ids = render(messages)
+    return assistant_ids(render, messages, where)
+
+
+def assistant_ids(
+    render: Callable[[list[Any], bool], list[int]], messages: list[Any], where: str
+) -> tuple[list[int], list[bool]]:
+    """The ids `render` gives the conversation, and which of them are the assistant's.
+
+    Each assistant turn's tokens are found as the difference between the rendered
+    conversation up to that turn and the one before it with the generation prompt
+    (`render(messages, generation_prompt)`).
+    """
+    ids = render(messages, False)
     mask = [False] * len(ids)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before, upto = render(messages[:i], True), render(messages[: i + 1])
+        before, upto = render(messages[:i], True), render(messages[: i + 1], False)
         if ids[: len(upto)] != upto or upto[: len(before)] != before:
             raise ValueError(
                 f"{where}: the tokenizer's chat template does not render a conversation as "
