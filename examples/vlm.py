@@ -25,7 +25,7 @@ from redcoast.models import CLIPVisionConfig, Llava, LlavaConfig
 # (what is asked, where the answer sits in a scene's kind), and each relation's places.
 QUESTIONS = [("colour", 0), ("shape", 1), ("colour", 3), ("shape", 4)]
 PLACES = {"left of": ("on the left", "on the right"), "above": ("on top", "at the bottom")}
-LENGTH, ANSWER = 96, 4  # tokens of a row; generated for an answer
+LENGTH, ANSWER = 96, 8  # tokens of a row; generated for an answer
 
 
 def ask(kind: tuple[str, ...], q: int) -> tuple[str, str]:  # question q's prompt and answer
@@ -108,7 +108,8 @@ def main(
 
     def metrics(examples: list[tuple[int, int, int]], answers: list[str]) -> dict[str, float]:
         want = [ask(KINDS[k], q)[1] for k, _, q in examples]  # the first sentence answers
-        return {"accuracy": np.mean([a.startswith(w) for a, w in zip(answers, want, strict=True)])}
+        got = [a.split(".")[0] + "." for a in answers]
+        return {"accuracy": np.mean([a == w for a, w in zip(got, want, strict=True)])}
 
     def output_fn(ids: np.ndarray) -> str:
         return tok.decode([i for i in ids.tolist() if i != eos])

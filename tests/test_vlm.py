@@ -305,9 +305,9 @@ def vlm_loss(model: rc.models.Llava, batch: dict, key: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean()
 
 
-# Three compilations of the step, about 40 s here: `nox -s slow`.
+# Four compilations of the step, about 50 s here: `nox -s slow`.
 @pytest.mark.slow
-def test_sharded_and_fsdp_steps_with_the_tower_frozen_equal_one_device() -> None:
+def test_sharded_fsdp_and_sequence_parallel_steps_with_the_tower_frozen_equal_one_device() -> None:
     model = small_llava(vision_feature_layer=-1)
     ids = np.stack([prompts(model.config, 1, 24)[0] for _ in range(8)])
     batch = {
@@ -318,19 +318,22 @@ def test_sharded_and_fsdp_steps_with_the_tower_frozen_equal_one_device() -> None
     trainable = ["projector.*", "language_model.*"]
     optimizer = optax.sgd(0.5)
 
-    def run(mesh: Any, fsdp: bool) -> tuple[Any, float]:
+    def run(mesh: Any, fsdp: bool = False, sp: bool = False) -> tuple[Any, float]:
         m, b = small_llava(vision_feature_layer=-1), batch  # the step donates the model
+        options = {}
         if mesh is not None:
             m = rc.place(m, mesh, example_call=lambda x: vlm_loss(x, batch, key), fsdp=fsdp)
             b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+            if sp:  # the decoder's activations split over the model axis between blocks
+                options["sequence_parallel"] = rc.SequenceParallel.of(m)
         state = optimizer.init(eqx.filter(m, rc.trainable_mask(m, trainable)))
-        step = rc.train_step(vlm_loss, optimizer, trainable=trainable, mesh=mesh)
+        step = rc.train_step(vlm_loss, optimizer, trainable=trainable, mesh=mesh, **options)
         m, _, metrics = step(m, state, b, key)
         return m, float(metrics["loss"])
 
-    want, want_loss = run(None, False)
-    for fsdp in (False, True):
-        got, loss = run(rc.make_mesh(2), fsdp)
+    want, want_loss = run(None)
+    for split in ({}, {"fsdp": True}, {"sp": True}):
+        got, loss = run(rc.make_mesh(2), **split)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
         for g, w in zip(
             jax.tree.leaves(eqx.filter(got, eqx.is_array)),
@@ -414,3 +417,28 @@ def test_the_planner_plans_a_llava_and_refuses_rows_without_room_for_text() -> N
         rc.memory_plan(config, devices=8, n_model_shards=2, seq_len=16, max_batch=False)
     with pytest.raises(ValueError, match="which reads images"):
         rc.memory_plan(config, devices=8, n_model_shards=2, seq_len=24, rl="grpo")
+
+
+@pytest.mark.slow
+def test_qlora_on_the_decoder_trains_the_adapters_alone(checkpoints) -> None:
+    folder, _ = checkpoints("clip-llama")
+    base = rc.models.from_hf(folder, quantize="int8")  # every layer's Linear, the tower's too
+    targets = [f"language_model.blocks.*.attn.{p}" for p in ("q_proj", "v_proj")]
+    model = rc.lora.apply(base, targets, rank=4, alpha=8, key=jax.random.key(1))
+    ids = prompts(model.config, 8, 24)
+    batch = {"ids": jnp.asarray(ids), "pixel_values": jnp.asarray(PIXELS[np.arange(8) % 2, None])}
+    trainable = rc.lora.trainable(model)
+    optimizer = optax.adam(1e-2)
+    state = optimizer.init(eqx.filter(model, rc.trainable_mask(model, trainable)))
+    step = rc.train_step(vlm_loss, optimizer, trainable=trainable)
+    losses = []
+    for i in range(3):
+        model, state, metrics = step(model, state, batch, jax.random.key(i))
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    merged = rc.lora.merge(model)  # the adapters folded into dequantized weights
+    np.testing.assert_allclose(
+        jax.vmap(merged)(batch["ids"], batch["pixel_values"]),
+        jax.vmap(model)(batch["ids"], batch["pixel_values"]),
+        atol=1e-4,
+    )
