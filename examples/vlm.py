@@ -1,10 +1,9 @@
-"""Visual question answering, today's image-to-text: a small LLaVA (a CLIP vision tower,
-LLaVA's two-layer projector, and the finetune example's pretrained GPT-2 as its
-decoder, given an `<image>` token) learns to answer questions about the captioning
-example's drawn scenes ("What colour is the shape on the left?"), split over
-`n_model_shards` devices by redcoast's rules. A fifth of the scene kinds are held out,
-never seen in training, and answered greedily from their images before and after
-tuning. The tuned model is written as a `transformers` LLaVA folder.
+"""Visual question answering, today's image-to-text: a small LLaVA (a CLIP tower, LLaVA's
+projector, the finetune example's pretrained GPT-2 given an `<image>` token) learns to
+answer questions about the captioning example's drawn scenes ("What colour is on the
+left?"), split over `n_model_shards` devices by redcoast's rules. A fifth of the scene
+kinds are held out, never seen in training, and answered greedily from their images
+before and after tuning. The tuned model is written as a `transformers` LLaVA folder.
 """
 
 import tempfile

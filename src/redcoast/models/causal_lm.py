@@ -462,15 +462,15 @@ class AbstractCausalLM(hf.HFModel):
         positions: Int[Array, " seq"],
         inputs_embeds: Float[Array, "seq hidden"] | None = None,
     ) -> Float[Array, "seq hidden"]:
-        width = self.embed_tokens.weight.shape[-1]
         if inputs_embeds is None:
             x = self.token_embeddings(input_ids)
-        elif inputs_embeds.shape != (*input_ids.shape, width):
-            raise ValueError(
-                f"{type(self).__name__}: inputs_embeds of shape {inputs_embeds.shape} for "
-                f"{input_ids.shape[0]} tokens; give one row of {width} features per token."
-            )
         else:
+            want = jax.eval_shape(self.token_embeddings, input_ids).shape
+            if inputs_embeds.shape != want:
+                raise ValueError(
+                    f"{type(self).__name__}: inputs_embeds of shape {inputs_embeds.shape} for "
+                    f"{input_ids.shape[0]} tokens; give one row of {want[-1]} features per token."
+                )
             x = inputs_embeds
         use = fsdp.layouts(self)
         if self.embed_positions is not None:
