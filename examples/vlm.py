@@ -3,7 +3,7 @@ projector, the finetune example's pretrained GPT-2 given an `<image>` token) lea
 answer questions about the captioning example's drawn scenes ("What colour is on the
 left?"), split over `n_model_shards` devices by redcoast's rules. A fifth of the scene
 kinds are held out, never seen in training, and answered greedily from their images
-before and after tuning. The tuned model is written as a `transformers` LLaVA folder.
+before and after tuning. The tuned model is written as a LLaVA folder.
 """
 
 import tempfile
@@ -134,8 +134,8 @@ def main(
         seed=seed,
     )
     out = f"{workdir or tempfile.mkdtemp()}/hf"
-    result.model.to_hf(out)  # transformers.LlavaForConditionalGeneration.from_pretrained(out)
-    print("saved for transformers in", out)
+    result.model.to_hf(out)  # a LLaVA folder: rc.models.from_hf(out)
+    print("saved in", out)
     after = result.history["eval"][-1]["eval_accuracy"]
     return {"accuracy_before": metrics(test, before)["accuracy"], "accuracy_after": after}
 
