@@ -61,8 +61,8 @@ def make_collate(tok: Tokenizer, tokens_per_image: int):
 def main(
     n_model_shards: int = 2,
     per_device_batch_size: int = 16,
-    max_steps: int = 300,
-    learning_rate: float = 1e-3,
+    max_steps: int = 1000,
+    learning_rate: float = 3e-3,
     base_dir: str = "runs/finetune/base",
     workdir: str | None = None,
     seed: int = 0,
