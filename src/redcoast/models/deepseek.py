@@ -494,16 +494,10 @@ class DeepseekV3(AbstractCausalLM):
         bidirectional_groups: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "seq hidden"], Any, Any]:
         """The dense then the MoE layers on `x`: the hidden states, the new pair of caches
-        (`None` without a cache) and the MoE layers' router logits (a tuple or stacked).
-
-        Raises:
-            ValueError: `bidirectional_groups` given: the latent attention is causal only.
-        """
+        (`None` without a cache) and the MoE layers' router logits (a tuple or stacked);
+        a `ValueError` for `bidirectional_groups` (the latent attention is causal only)."""
         if bidirectional_groups is not None:
-            raise ValueError(
-                f"{type(self).__name__}'s latent attention is causal only; it takes no "
-                "bidirectional_groups. Call it without them."
-            )
+            raise ValueError(f"{type(self).__name__} attends causally: no bidirectional_groups.")
         # The cached (decoding) path computes no gradients: nothing to rematerialise.
         policy = self.remat if cache is None else "none"
         use = fsdp.layouts(self)
